@@ -1,0 +1,259 @@
+"""The quantfuse ops: schemas, validation, fake and reference implementations.
+
+Every op follows DESIGN.md's contract.  The reference implementation is plain
+torch and runs on any device; it is also what runs whenever the CUDA extension
+cannot take an input.  Malformed input raises ``QuantfuseInputError`` naming
+the argument; unsupported-but-valid input never raises.
+
+Reference numerics: integer products are accumulated exactly (float64
+accumulation of int8 products is exact for K < 2**53 / 127**2), fp8 products
+are accumulated in float64, the epilogue runs in float32, and the result is
+rounded once to the output dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import kernels
+
+NAMESPACE = "quantfuse"
+
+W8A8_INPUT_DTYPES = (torch.int8, torch.float8_e4m3fn)
+OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+AWQ_ACT_DTYPES = (torch.float16, torch.bfloat16)
+AWQ_PACK = 8  # int4 values per int32
+# Logical column 8c+i sits at bits 4*AWQ_ORDER[i] of qweight[:, c].
+AWQ_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
+AWQ_SHIFTS = tuple(4 * o for o in AWQ_ORDER)
+
+SCHEMAS = {
+    "scaled_mm": "scaled_mm(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, "
+    "ScalarType out_dtype, Tensor? bias=None) -> Tensor",
+    "scaled_mm_azp": "scaled_mm_azp(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, "
+    "ScalarType out_dtype, Tensor azp_adj, Tensor? azp=None, Tensor? bias=None) -> Tensor",
+    "awq_gemm": "awq_gemm(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, "
+    "int group_size, Tensor? bias=None) -> Tensor",
+    "awq_dequantize": "awq_dequantize(Tensor qweight, Tensor scales, Tensor qzeros, "
+    "int group_size) -> Tensor",
+}
+
+
+class QuantfuseInputError(ValueError):
+    """A quantfuse op was called with malformed arguments."""
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"shape {tuple(t.shape)}, dtype {t.dtype}"
+
+
+def _fail(op: str, arg: str, t, expected: str):
+    got = _describe(t) if isinstance(t, torch.Tensor) else repr(t)
+    raise QuantfuseInputError(f"quantfuse.{op}: argument '{arg}' has {got}; expected {expected}")
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _check_w8a8(op, a, b, scale_a, scale_b, out_dtype, bias):
+    if a.dtype not in W8A8_INPUT_DTYPES:
+        _fail(op, "a", a, "dtype int8 or float8_e4m3fn")
+    if a.dim() != 2:
+        _fail(op, "a", a, "a 2-D tensor [M, K]")
+    if b.dim() != 2:
+        _fail(op, "b", b, "a 2-D tensor [K, N]")
+    if b.dtype != a.dtype:
+        _fail(op, "b", b, f"the dtype of 'a' ({a.dtype})")
+    M, K = a.shape
+    if b.shape[0] != K:
+        _fail(op, "b", b, f"K = {K} rows to match 'a' of shape {tuple(a.shape)}")
+    N = b.shape[1]
+    if out_dtype not in OUT_DTYPES:
+        _fail(op, "out_dtype", out_dtype, "torch.float16, torch.bfloat16 or torch.float32")
+    for name, s, n, what in (("scale_a", scale_a, M, "M"), ("scale_b", scale_b, N, "N")):
+        if s.dtype != torch.float32:
+            _fail(op, name, s, "dtype float32")
+        if s.numel() != 1 and s.numel() != n:
+            _fail(op, name, s, f"1 element (per-tensor) or {what} = {n} elements")
+    if bias is not None:
+        if bias.dim() != 1 or bias.shape[0] != N:
+            _fail(op, "bias", bias, f"a 1-D tensor of N = {N} elements")
+        if bias.dtype != out_dtype:
+            _fail(op, "bias", bias, f"dtype out_dtype ({out_dtype})")
+    return M, K, N
+
+
+def _check_azp(op, a, b, M, N, azp_adj, azp):
+    if a.dtype != torch.int8:
+        _fail(op, "a", a, "dtype int8 (zero points apply to int8 activations only)")
+    if azp_adj.dtype != torch.int32 or azp_adj.dim() != 1 or azp_adj.shape[0] != N:
+        _fail(op, "azp_adj", azp_adj, f"int32 of shape ({N},) (N column sums of 'b')")
+    if azp is not None and (azp.dtype != torch.int32 or azp.numel() != M):
+        _fail(op, "azp", azp, f"int32 with M = {M} elements (one zero point per token)")
+
+
+def _check_awq(op, qweight, scales, qzeros, group_size, x=None, bias=None):
+    if qweight.dtype != torch.int32 or qweight.dim() != 2:
+        _fail(op, "qweight", qweight, "a 2-D int32 tensor [K, N/8]")
+    K, n_packed = qweight.shape
+    N = n_packed * AWQ_PACK
+    if scales.dtype not in AWQ_ACT_DTYPES or scales.dim() != 2:
+        _fail(op, "scales", scales, "a 2-D float16 or bfloat16 tensor [K/group_size, N]")
+    if not isinstance(group_size, int) or group_size <= 0 or K % group_size != 0:
+        _fail(op, "group_size", group_size, f"a positive divisor of K = {K}")
+    groups = K // group_size
+    if scales.shape[1] % AWQ_PACK != 0:
+        _fail(op, "scales", scales, f"N (its last dimension) a multiple of {AWQ_PACK}")
+    if tuple(scales.shape) != (groups, N):
+        _fail(op, "scales", scales, f"shape ({groups}, {N}) = (K/group_size, N) from 'qweight'")
+    if qzeros.dtype != torch.int32 or tuple(qzeros.shape) != (groups, n_packed):
+        _fail(op, "qzeros", qzeros, f"int32 of shape ({groups}, {n_packed}) = (K/group_size, N/8)")
+    if x is not None:
+        if x.dtype != scales.dtype:
+            _fail(op, "x", x, f"the dtype of 'scales' ({scales.dtype})")
+        if x.dim() != 2 or x.shape[1] != K:
+            _fail(op, "x", x, f"a 2-D tensor [M, K] with K = {K} from 'qweight'")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != N or bias.dtype != scales.dtype):
+        _fail(op, "bias", bias, f"a 1-D {scales.dtype} tensor of N = {N} elements")
+    return K, N
+
+
+# --------------------------------------------------------------------------- reference math
+
+
+def exact_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` for int8 / fp8 operands, accumulated exactly, as float32.
+
+    int8: every partial sum is an integer below 2**53, so float64 holds it
+    exactly; converting the int32-valued result to float32 is the same
+    rounding a kernel's int32 -> float32 conversion makes.
+    """
+    acc = torch.matmul(a.to(torch.float64), b.to(torch.float64))
+    if a.dtype == torch.int8:
+        return acc.to(torch.int32).to(torch.float32)
+    return acc.to(torch.float32)
+
+
+def _epilogue(acc, scale_a, scale_b, out_dtype, bias):
+    out = acc * scale_b.reshape(1, -1).to(acc.device) * scale_a.reshape(-1, 1).to(acc.device)
+    if bias is not None:
+        out = out + bias.to(torch.float32)
+    return out.to(out_dtype)
+
+
+def scaled_mm_reference(a, b, scale_a, scale_b, out_dtype, bias=None):
+    M, _, N = _check_w8a8("scaled_mm", a, b, scale_a, scale_b, out_dtype, bias)
+    if M == 0:
+        return a.new_empty((0, N), dtype=out_dtype)
+    return _epilogue(exact_product(a, b), scale_a, scale_b, out_dtype, bias)
+
+
+def scaled_mm_azp_reference(a, b, scale_a, scale_b, out_dtype, azp_adj, azp=None, bias=None):
+    M, _, N = _check_w8a8("scaled_mm_azp", a, b, scale_a, scale_b, out_dtype, bias)
+    _check_azp("scaled_mm_azp", a, b, M, N, azp_adj, azp)
+    if M == 0:
+        return a.new_empty((0, N), dtype=out_dtype)
+    acc = torch.matmul(a.to(torch.float64), b.to(torch.float64))
+    if azp is None:
+        acc = acc - azp_adj.to(torch.float64).reshape(1, -1)
+    else:
+        acc = acc - azp.to(torch.float64).reshape(-1, 1) * azp_adj.to(torch.float64).reshape(1, -1)
+    return _epilogue(acc.to(torch.float32), scale_a, scale_b, out_dtype, bias)
+
+
+def awq_unpack(packed: torch.Tensor) -> torch.Tensor:
+    """[R, N/8] int32 in AWQ order -> [R, N] int32 of 4-bit values."""
+    shifts = torch.tensor(AWQ_SHIFTS, dtype=torch.int32, device=packed.device)
+    nibbles = (packed.unsqueeze(-1) >> shifts) & 0xF
+    return nibbles.reshape(packed.shape[0], packed.shape[1] * AWQ_PACK)
+
+
+def _awq_weight(qweight, scales, qzeros, group_size):
+    q = awq_unpack(qweight)
+    z = awq_unpack(qzeros).repeat_interleave(group_size, dim=0)
+    s = scales.repeat_interleave(group_size, dim=0)
+    # (q - z) is exact in the activation dtype; the one rounding is the scale product,
+    # the same rounding a kernel that dequantizes in registers makes.
+    return (q - z).to(scales.dtype) * s
+
+
+def awq_dequantize_reference(qweight, scales, qzeros, group_size):
+    _check_awq("awq_dequantize", qweight, scales, qzeros, group_size)
+    return _awq_weight(qweight, scales, qzeros, group_size)
+
+
+def awq_gemm_reference(x, qweight, scales, qzeros, group_size, bias=None):
+    _, N = _check_awq("awq_gemm", qweight, scales, qzeros, group_size, x, bias)
+    if x.shape[0] == 0:
+        return x.new_empty((0, N))
+    w = _awq_weight(qweight, scales, qzeros, group_size)
+    out = torch.matmul(x.to(torch.float32), w.to(torch.float32))
+    if bias is not None:
+        out = out + bias.to(torch.float32)
+    return out.to(x.dtype)
+
+
+# --------------------------------------------------------------------------- fakes
+
+
+def _scaled_mm_fake(a, b, scale_a, scale_b, out_dtype, bias=None):
+    M, _, N = _check_w8a8("scaled_mm", a, b, scale_a, scale_b, out_dtype, bias)
+    return a.new_empty((M, N), dtype=out_dtype)
+
+
+def _scaled_mm_azp_fake(a, b, scale_a, scale_b, out_dtype, azp_adj, azp=None, bias=None):
+    M, _, N = _check_w8a8("scaled_mm_azp", a, b, scale_a, scale_b, out_dtype, bias)
+    _check_azp("scaled_mm_azp", a, b, M, N, azp_adj, azp)
+    return a.new_empty((M, N), dtype=out_dtype)
+
+
+def _awq_gemm_fake(x, qweight, scales, qzeros, group_size, bias=None):
+    _, N = _check_awq("awq_gemm", qweight, scales, qzeros, group_size, x, bias)
+    return x.new_empty((x.shape[0], N))
+
+
+def _awq_dequantize_fake(qweight, scales, qzeros, group_size):
+    K, N = _check_awq("awq_dequantize", qweight, scales, qzeros, group_size)
+    return scales.new_empty((K, N))
+
+
+# --------------------------------------------------------------------------- registration
+
+REFERENCES = {
+    "scaled_mm": scaled_mm_reference,
+    "scaled_mm_azp": scaled_mm_azp_reference,
+    "awq_gemm": awq_gemm_reference,
+    "awq_dequantize": awq_dequantize_reference,
+}
+FAKES = {
+    "scaled_mm": _scaled_mm_fake,
+    "scaled_mm_azp": _scaled_mm_azp_fake,
+    "awq_gemm": _awq_gemm_fake,
+    "awq_dequantize": _awq_dequantize_fake,
+}
+
+
+def _cuda_impl(name):
+    reference = REFERENCES[name]
+
+    def impl(*args, **kwargs):
+        out = kernels.try_cuda(name, args, kwargs)
+        return reference(*args, **kwargs) if out is None else out
+
+    impl.__name__ = f"{name}_cuda"
+    return impl
+
+
+_lib = torch.library.Library(NAMESPACE, "DEF")
+for _name, _schema in SCHEMAS.items():
+    # Kernels read their operands with fixed strides; without the tag Inductor may
+    # hand a pass-inserted op a layout of its own choosing.
+    _lib.define(_schema, tags=(torch.Tag.needs_fixed_stride_order,))
+    _lib.impl(_name, REFERENCES[_name], "CompositeExplicitAutograd")
+    _lib.impl(_name, _cuda_impl(_name), "CUDA")
+    torch.library.register_fake(f"{NAMESPACE}::{_name}", FAKES[_name], lib=_lib)
+
+scaled_mm = torch.ops.quantfuse.scaled_mm
+scaled_mm_azp = torch.ops.quantfuse.scaled_mm_azp
+awq_gemm = torch.ops.quantfuse.awq_gemm
+awq_dequantize = torch.ops.quantfuse.awq_dequantize

@@ -1,0 +1,332 @@
+"""Reference quantized modules and weight packers, in plain torch ops.
+
+These are the forms users have in their models; the passes recognise them and
+the ops reproduce their math.  ``quantize_model`` swaps ``nn.Linear`` layers for
+them with round-to-nearest quantization.
+
+* ``W8A8Linear``: int8 or float8_e4m3fn weights ``[N, K]`` with per-tensor or
+  per-channel scales; activations quantized per call (dynamic, per-token or
+  per-tensor) or with a calibrated scale (static); symmetric, or asymmetric
+  int8 with a per-tensor or per-token zero point.  The forward is written in
+  the dequantize-then-matmul form (DESIGN.md pass form 2), computed in float32
+  and rounded once to the output dtype.
+* ``AWQLinear``: AWQ-format ``qweight``/``qzeros``/``scales`` (DESIGN.md's bit
+  order), group sizes 32/64/128 or per-channel (group = K), optional bias.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .ops import AWQ_ORDER, AWQ_PACK, AWQ_SHIFTS, awq_unpack
+
+INT8_MAX = 127
+FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
+# Smallest scale: keeps an all-zero row from dividing by zero.
+MIN_SCALE = 1e-8
+
+
+# --------------------------------------------------------------------------- packers
+
+
+def awq_pack(values: torch.Tensor) -> torch.Tensor:
+    """[R, N] ints in [0, 15] -> [R, N/8] int32 in AWQ bit order."""
+    if values.dim() != 2 or values.shape[1] % AWQ_PACK != 0:
+        raise ValueError(f"awq_pack: 'values' has shape {tuple(values.shape)}; expected [R, N] with N % 8 == 0")
+    if values.numel() and (values.min() < 0 or values.max() > 15):
+        raise ValueError("awq_pack: 'values' must lie in [0, 15]")
+    v = values.to(torch.int64).reshape(values.shape[0], -1, AWQ_PACK)
+    shifts = torch.tensor(AWQ_SHIFTS, dtype=torch.int64, device=values.device)
+    packed = (v << shifts).sum(-1)  # nibbles do not overlap, so the sum is an OR
+    # Reinterpret the unsigned 32-bit pattern as int32.
+    packed = torch.where(packed >= 2**31, packed - 2**32, packed)
+    return packed.to(torch.int32)
+
+
+def awq_unpack_values(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``awq_pack``."""
+    return awq_unpack(packed)
+
+
+def quantize_weight_int8(weight: torch.Tensor, per_channel: bool = True):
+    """Symmetric round-to-nearest int8: returns (int8 [N, K], float32 scale [N] or [])."""
+    w = weight.detach().to(torch.float32)
+    amax = w.abs().amax(dim=1) if per_channel else w.abs().amax()
+    scale = (amax / INT8_MAX).clamp(min=MIN_SCALE)
+    q = torch.round(w / (scale.unsqueeze(1) if per_channel else scale)).clamp(-INT8_MAX - 1, INT8_MAX)
+    return q.to(torch.int8), scale
+
+
+def quantize_weight_fp8(weight: torch.Tensor, per_channel: bool = False):
+    """float8_e4m3fn with an amax scale: returns (fp8 [N, K], float32 scale [N] or [])."""
+    w = weight.detach().to(torch.float32)
+    amax = w.abs().amax(dim=1) if per_channel else w.abs().amax()
+    scale = (amax / FP8_MAX).clamp(min=MIN_SCALE)
+    q = (w / (scale.unsqueeze(1) if per_channel else scale)).clamp(-FP8_MAX, FP8_MAX)
+    return q.to(torch.float8_e4m3fn), scale
+
+
+def quantize_weight_awq(weight: torch.Tensor, group_size: int, dtype=torch.float16):
+    """Asymmetric round-to-nearest 4-bit with a zero point per group (AWQ format).
+
+    ``weight`` is ``[N, K]`` (nn.Linear layout); returns ``qweight [K, N/8]``,
+    ``qzeros [K/G, N/8]`` (int32) and ``scales [K/G, N]`` in ``dtype``.
+    """
+    N, K = weight.shape
+    if K % group_size != 0:
+        raise ValueError(f"quantize_weight_awq: group_size {group_size} does not divide K = {K}")
+    if N % AWQ_PACK != 0:
+        raise ValueError(f"quantize_weight_awq: N = {N} is not a multiple of {AWQ_PACK}")
+    w = weight.detach().to(torch.float32).t().reshape(K // group_size, group_size, N)
+    wmin, wmax = w.amin(dim=1), w.amax(dim=1)
+    scales = ((wmax - wmin) / 15).clamp(min=MIN_SCALE).to(dtype)
+    s = scales.to(torch.float32)
+    zeros = torch.round(-wmin / s).clamp(0, 15)
+    q = torch.round(w / s.unsqueeze(1) + zeros.unsqueeze(1)).clamp(0, 15)
+    qweight = awq_pack(q.reshape(K, N).to(torch.int32))
+    qzeros = awq_pack(zeros.to(torch.int32))
+    return qweight, qzeros, scales
+
+
+# --------------------------------------------------------------------------- W8A8
+
+
+class W8A8Linear(nn.Module):
+    """y = dequant(quant(x)) @ dequant(w).T + bias, in the dequantize-then-matmul form."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool = True,
+        weight_dtype: torch.dtype = torch.int8,
+        per_channel: bool = True,
+        dynamic: bool = True,
+        per_token: bool = True,
+        symmetric: bool = True,
+        out_dtype: torch.dtype = torch.bfloat16,
+    ):
+        super().__init__()
+        if weight_dtype not in (torch.int8, torch.float8_e4m3fn):
+            raise ValueError(f"W8A8Linear: weight_dtype {weight_dtype}; expected torch.int8 or torch.float8_e4m3fn")
+        if not symmetric and weight_dtype != torch.int8:
+            raise ValueError("W8A8Linear: asymmetric activations need weight_dtype=torch.int8")
+        if not dynamic and per_token:
+            raise ValueError("W8A8Linear: a static (calibrated) activation scale is per-tensor; pass per_token=False")
+        self.in_features, self.out_features = in_features, out_features
+        self.weight_dtype, self.out_dtype = weight_dtype, out_dtype
+        self.per_channel, self.dynamic, self.per_token, self.symmetric = per_channel, dynamic, per_token, symmetric
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=weight_dtype))
+        self.register_buffer("weight_scale", torch.ones(out_features if per_channel else (), dtype=torch.float32))
+        self.register_buffer("bias", torch.zeros(out_features, dtype=out_dtype) if bias else None)
+        # Static quantization: calibrated scale (and zero point when asymmetric).
+        self.register_buffer("input_scale", None if dynamic else torch.ones((), dtype=torch.float32))
+        self.register_buffer(
+            "input_zero_point", None if dynamic or symmetric else torch.zeros((), dtype=torch.int32)
+        )
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, calibration: Optional[torch.Tensor] = None, **kw):
+        w = linear.weight
+        mod = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, **kw)
+        quant = quantize_weight_int8 if mod.weight_dtype == torch.int8 else quantize_weight_fp8
+        q, s = quant(w, per_channel=mod.per_channel)
+        mod.weight.copy_(q)
+        mod.weight_scale.copy_(s)
+        if linear.bias is not None:
+            mod.bias.copy_(linear.bias.detach().to(mod.out_dtype))
+        if not mod.dynamic:
+            if calibration is None:
+                raise ValueError("W8A8Linear.from_linear: static quantization needs 'calibration' activations")
+            scale, zp = mod._activation_params(calibration.reshape(-1, linear.in_features).float())
+            mod.input_scale.copy_(scale.reshape(()))
+            if zp is not None:
+                mod.input_zero_point.copy_(zp.reshape(()).to(torch.int32))
+        return mod.to(w.device)
+
+    def _activation_params(self, x: torch.Tensor):
+        """(scale, zero point or None) for float32 activations [M, K]."""
+        reduce = dict(dim=-1, keepdim=True) if self.per_token else {}
+        if self.symmetric:
+            qmax = INT8_MAX if self.weight_dtype == torch.int8 else FP8_MAX
+            return (x.abs().amax(**reduce) / qmax).clamp(min=MIN_SCALE), None
+        xmin = x.amin(**reduce).clamp(max=0)
+        xmax = x.amax(**reduce).clamp(min=0)
+        scale = ((xmax - xmin) / 255).clamp(min=MIN_SCALE)
+        zero_point = torch.round(-128 - xmin / scale).clamp(-128, 127)
+        return scale, zero_point
+
+    def quantize_input(self, x: torch.Tensor):
+        """float activations [M, K] -> (quantized [M, K], float32 scale, zero point or None)."""
+        xf = x.to(torch.float32)
+        if self.dynamic:
+            scale, zp = self._activation_params(xf)
+        else:
+            scale = self.input_scale
+            zp = None if self.symmetric else self.input_zero_point.to(torch.float32)
+        if self.weight_dtype == torch.float8_e4m3fn:
+            return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale, None
+        q = torch.round(xf / scale)
+        if zp is not None:
+            q = q + zp
+        return q.clamp(-INT8_MAX - 1, INT8_MAX).to(torch.int8), scale, zp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        q, scale, zp = self.quantize_input(x2)
+        xq = q.to(torch.float32)
+        if zp is not None:
+            xq = xq - zp
+        x_dq = xq * scale
+        w_scale = self.weight_scale.unsqueeze(-1) if self.per_channel else self.weight_scale
+        w_dq = self.weight.to(torch.float32) * w_scale
+        bias = None if self.bias is None else self.bias.to(torch.float32)
+        y = F.linear(x_dq, w_dq, bias).to(self.out_dtype)
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.in_features}, {self.out_features}, weight={self.weight_dtype}, "
+            f"per_channel={self.per_channel}, dynamic={self.dynamic}, per_token={self.per_token}, "
+            f"symmetric={self.symmetric}, out_dtype={self.out_dtype}, bias={self.bias is not None}"
+        )
+
+
+# --------------------------------------------------------------------------- AWQ
+
+
+class AWQLinear(nn.Module):
+    """W4A16 linear layer holding AWQ-format weights; dequantizes in the activation dtype."""
+
+    def __init__(self, in_features: int, out_features: int, *, group_size: int = 128,
+                 bias: bool = True, dtype: torch.dtype = torch.float16):
+        super().__init__()
+        group_size = in_features if group_size in (-1, 0) else group_size
+        if in_features % group_size != 0:
+            raise ValueError(f"AWQLinear: group_size {group_size} does not divide in_features {in_features}")
+        if out_features % AWQ_PACK != 0:
+            raise ValueError(f"AWQLinear: out_features {out_features} is not a multiple of {AWQ_PACK}")
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"AWQLinear: dtype {dtype}; expected torch.float16 or torch.bfloat16")
+        self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        groups, packed = in_features // group_size, out_features // AWQ_PACK
+        self.register_buffer("qweight", torch.zeros(in_features, packed, dtype=torch.int32))
+        self.register_buffer("qzeros", torch.zeros(groups, packed, dtype=torch.int32))
+        self.register_buffer("scales", torch.ones(groups, out_features, dtype=dtype))
+        self.register_buffer("bias", torch.zeros(out_features, dtype=dtype) if bias else None)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int = 128, dtype: torch.dtype = torch.float16):
+        mod = cls(linear.in_features, linear.out_features, group_size=group_size,
+                  bias=linear.bias is not None, dtype=dtype)
+        qweight, qzeros, scales = quantize_weight_awq(linear.weight, mod.group_size, dtype)
+        mod.qweight.copy_(qweight)
+        mod.qzeros.copy_(qzeros)
+        mod.scales.copy_(scales)
+        if linear.bias is not None:
+            mod.bias.copy_(linear.bias.detach().to(dtype))
+        return mod.to(linear.weight.device)
+
+    @classmethod
+    def from_state_dict(cls, state: dict, prefix: str = "", group_size: Optional[int] = None):
+        """Build from an AutoAWQ-format state dict (``qweight``, ``qzeros``, ``scales``, ``bias``)."""
+        try:
+            qweight, qzeros, scales = (state[prefix + k] for k in ("qweight", "qzeros", "scales"))
+        except KeyError as exc:
+            raise KeyError(f"AWQLinear.from_state_dict: missing {exc.args[0]!r} in the state dict") from None
+        K, N = qweight.shape[0], qweight.shape[1] * AWQ_PACK
+        inferred = K // scales.shape[0]
+        if group_size is not None and group_size != inferred:
+            raise ValueError(f"AWQLinear.from_state_dict: group_size {group_size} but 'scales' implies {inferred}")
+        bias = state.get(prefix + "bias")
+        mod = cls(K, N, group_size=inferred, bias=bias is not None, dtype=scales.dtype)
+        mod.load_state_dict({k: v for k, v in
+                             dict(qweight=qweight, qzeros=qzeros, scales=scales, bias=bias).items()
+                             if v is not None})
+        return mod.to(qweight.device)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """[K, N] weight in the activation dtype."""
+        w = awq_unpack(self.qweight)
+        z = awq_unpack(self.qzeros).repeat_interleave(self.group_size, dim=0)
+        return (w - z).to(self.scales.dtype) * self.scales.repeat_interleave(self.group_size, dim=0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.matmul(x, self.dequantized_weight())
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"{self.in_features}, {self.out_features}, group_size={self.group_size}, "
+                f"dtype={self.scales.dtype}, bias={self.bias is not None}")
+
+
+# --------------------------------------------------------------------------- model conversion
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """How ``quantize_model`` quantizes each linear layer."""
+
+    kind: str  # "w8a8" or "awq"
+    weight_dtype: torch.dtype = torch.int8
+    per_channel: bool = True
+    per_token: bool = True
+    symmetric: bool = True
+    group_size: int = 128
+
+
+SCHEMES = {
+    "int8": Scheme("w8a8"),
+    "int8-asym": Scheme("w8a8", symmetric=False),
+    "int8-asym-per-tensor": Scheme("w8a8", symmetric=False, per_token=False),
+    "int8-per-tensor": Scheme("w8a8", per_channel=False, per_token=False),
+    "fp8": Scheme("w8a8", weight_dtype=torch.float8_e4m3fn, per_channel=False, per_token=False),
+    "fp8-rowwise": Scheme("w8a8", weight_dtype=torch.float8_e4m3fn),
+    "awq": Scheme("awq", group_size=128),
+    "awq-g32": Scheme("awq", group_size=32),
+    "awq-g64": Scheme("awq", group_size=64),
+    "awq-g128": Scheme("awq", group_size=128),
+    "awq-per-channel": Scheme("awq", group_size=-1),
+}
+
+
+def quantize_model(model: nn.Module, scheme, *, dtype: torch.dtype = None, skip=("lm_head",)) -> nn.Module:
+    """Replace every ``nn.Linear`` (except names in ``skip``) with its quantized form, in place.
+
+    ``scheme`` is a ``Scheme`` or one of ``SCHEMES``' names.  ``dtype`` is the
+    activation/output dtype (default: the linear weight's dtype, float16 for AWQ
+    when that is float32).  Returns the model.
+    """
+    if isinstance(scheme, str):
+        if scheme not in SCHEMES:
+            raise ValueError(f"quantize_model: scheme {scheme!r}; expected one of {sorted(SCHEMES)}")
+        scheme = SCHEMES[scheme]
+    for name, child in list(model.named_children()):
+        if name in skip:
+            continue
+        if isinstance(child, nn.Linear):
+            out_dtype = dtype or child.weight.dtype
+            if scheme.kind == "awq":
+                act = out_dtype if out_dtype in (torch.float16, torch.bfloat16) else torch.float16
+                new = AWQLinear.from_linear(child, group_size=scheme.group_size, dtype=act)
+            else:
+                new = W8A8Linear.from_linear(
+                    child, weight_dtype=scheme.weight_dtype, per_channel=scheme.per_channel,
+                    per_token=scheme.per_token, symmetric=scheme.symmetric, out_dtype=out_dtype)
+            setattr(model, name, new)
+        else:
+            quantize_model(child, scheme, dtype=dtype, skip=skip)
+    return model
+
+
+__all__ = [
+    "AWQ_ORDER", "AWQLinear", "SCHEMES", "Scheme", "W8A8Linear", "awq_pack", "awq_unpack_values",
+    "quantize_model", "quantize_weight_awq", "quantize_weight_fp8", "quantize_weight_int8",
+]

@@ -1,0 +1,71 @@
+"""The custom graph pass that carries quantfuse's patterns into Inductor.
+
+Families register their search/replace pairs into one ``PatternMatcherPass``
+per Inductor slot they need (``SLOTS``); ``make_graph_passes`` wraps each in a
+``CustomGraphPass`` whose ``uuid()`` hashes the pass sources, so Inductor's FX
+graph cache is invalidated whenever a pattern changes.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from pathlib import Path
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch._inductor.pattern_matcher import PatternMatcherPass
+
+# Families in matching order: the more specific forms first.
+FAMILIES = ("scaled_mm_azp", "scaled_mm", "awq_gemm")
+# Inductor config slots our passes may occupy, in the order Inductor runs them.
+SLOTS = ("joint_custom_pre_pass", "post_grad_custom_pre_pass")
+
+_PASS_DIR = Path(__file__).resolve().parent
+_OPS_FILE = _PASS_DIR.parent / "compile_backend" / "ops.py"
+
+
+def _source_files() -> tuple[str, ...]:
+    files = sorted(str(p) for p in _PASS_DIR.glob("*.py"))
+    ops = Path(importlib.import_module("compile_backend.ops").__file__)
+    return tuple(files + [str(ops if ops.exists() else _OPS_FILE)])
+
+
+@functools.lru_cache(maxsize=None)
+def patterns_for(families: tuple[str, ...]) -> dict[str, PatternMatcherPass]:
+    """Trace and register the patterns of ``families`` (once per process)."""
+    import compile_backend.ops  # noqa: F401  (the replacement ops must exist)
+
+    passes = {slot: PatternMatcherPass(pass_name=f"quantfuse_{slot}") for slot in SLOTS}
+    for family in families:
+        if family not in FAMILIES:
+            raise ValueError(f"quantfuse: unknown pattern family {family!r}; expected some of {FAMILIES}")
+        importlib.import_module(f"{__name__.rsplit('.', 1)[0]}.{family}").register(passes)
+    return passes
+
+
+class QuantfuseGraphPass(CustomGraphPass):
+    """Applies the registered patterns of one slot to a graph, to a fixed point."""
+
+    def __init__(self, slot: str, families: tuple[str, ...]):
+        self.slot, self.families = slot, families
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        patterns = patterns_for(self.families)[self.slot]
+        while patterns.apply(graph):
+            pass
+        graph.eliminate_dead_code()
+        if self.slot == SLOTS[-1]:
+            from .candidates import report_unfused
+
+            report_unfused(graph)
+
+    def uuid(self):
+        return (self.slot, self.families, get_hash_for_files(_source_files()).hex())
+
+
+def make_graph_passes(options: dict | None = None) -> dict[str, CustomGraphPass]:
+    """Inductor slot name -> our pass for it, for the families ``options['families']`` names."""
+    options = options or {}
+    families = tuple(options.get("families", FAMILIES))
+    return {slot: QuantfuseGraphPass(slot, families) for slot in SLOTS}

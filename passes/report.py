@@ -1,0 +1,77 @@
+"""What the passes fused, and which quantized-looking matmuls they left alone and why.
+
+Passes call ``record_fused`` / ``record_unfused`` while they run; whoever wants
+the result (``compile_backend.explain``, tests) opens ``collecting_report()``
+around a compile.  Outside such a block the records only go to the
+``compile_backend`` logger.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+
+log = logging.getLogger("compile_backend")
+
+
+@dataclass(frozen=True)
+class Fused:
+    family: str  # the op's name: scaled_mm, scaled_mm_azp, awq_gemm
+    form: str  # which source form matched, e.g. "int_mm", "linear", "awq_unpack"
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Unfused:
+    node: str  # the matmul node left in the graph
+    target: str
+    reason: str
+
+
+@dataclass
+class FusionReport:
+    fused: list[Fused] = field(default_factory=list)
+    unfused: list[Unfused] = field(default_factory=list)
+
+    def counts(self) -> Counter:
+        return Counter(f.family for f in self.fused)
+
+    def __str__(self) -> str:
+        lines = [f"quantfuse: fused {len(self.fused)} subgraph(s), left {len(self.unfused)} candidate(s)"]
+        lines += [f"  fused    {f.family:<14} from {f.form}{' ' + f.detail if f.detail else ''}" for f in self.fused]
+        lines += [f"  unfused  {u.node} ({u.target}): {u.reason}" for u in self.unfused]
+        return "\n".join(lines)
+
+
+_local = threading.local()
+
+
+def _active() -> list:
+    if not hasattr(_local, "stack"):
+        _local.stack = []
+    return _local.stack
+
+
+@contextlib.contextmanager
+def collecting_report():
+    report = FusionReport()
+    _active().append(report)
+    try:
+        yield report
+    finally:
+        _active().pop()
+
+
+def record_fused(family: str, form: str, detail: str = "") -> None:
+    log.info("quantfuse: fused %s (%s) %s", family, form, detail)
+    for report in _active():
+        report.fused.append(Fused(family, form, detail))
+
+
+def record_unfused(node: str, target: str, reason: str) -> None:
+    log.info("quantfuse: not fused %s (%s): %s", node, target, reason)
+    for report in _active():
+        report.unfused.append(Unfused(node, target, reason))
