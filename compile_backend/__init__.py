@@ -5,9 +5,11 @@ importing this package; import it for the ops (``torch.ops.quantfuse.*``),
 the reference modules (``compile_backend.quantize``) and ``explain``.
 """
 
-from . import ops  # registers torch.ops.quantfuse.*
-from . import cuda  # registers the CUDA kernel families (no build until first CUDA call)
-from . import backend
+from . import (  # noqa: F401  (cuda, ops: imported for their registrations)
+    backend,
+    cuda,  # registers the CUDA kernel families (no build until first CUDA call)
+    ops,  # registers torch.ops.quantfuse.*
+)
 from .backend import quantfuse
 from .explain import explain
 from .quantize import AWQLinear, W8A8Linear, quantize_model

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch._dynamo.backends import registry
@@ -83,7 +83,7 @@ def install_passes(config_patches: dict, passes: dict) -> dict:
     return patches
 
 
-def _split_options(options: Optional[dict], mode: Optional[str]) -> tuple[dict, dict]:
+def _split_options(options: dict | None, mode: str | None) -> tuple[dict, dict]:
     ours = {"passes": True, "fallback": True}
     inductor: dict[str, Any] = {}
     if mode and mode != "default":
@@ -95,7 +95,7 @@ def _split_options(options: Optional[dict], mode: Optional[str]) -> tuple[dict, 
     return ours, inductor
 
 
-def quantfuse(gm: torch.fx.GraphModule, example_inputs, options: Optional[dict] = None, mode: Optional[str] = None):
+def quantfuse(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None, mode: str | None = None):
     """Dynamo backend entry point."""
     from torch._inductor.compile_fx import compile_fx
 

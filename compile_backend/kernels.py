@@ -22,9 +22,9 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
 
 import torch
 
@@ -36,7 +36,7 @@ SOURCE_SUFFIXES = (".cu", ".cpp")
 
 @dataclass(frozen=True)
 class KernelFamily:
-    supports: Callable[..., Optional[str]]
+    supports: Callable[..., str | None]
     launch: Callable[..., torch.Tensor]
 
 

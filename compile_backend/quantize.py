@@ -17,7 +17,6 @@ them with round-to-nearest quantization.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -132,7 +131,7 @@ class W8A8Linear(nn.Module):
         )
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, calibration: Optional[torch.Tensor] = None, **kw):
+    def from_linear(cls, linear: nn.Linear, calibration: torch.Tensor | None = None, **kw):
         w = linear.weight
         mod = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, **kw)
         quant = quantize_weight_int8 if mod.weight_dtype == torch.int8 else quantize_weight_fp8
@@ -235,7 +234,7 @@ class AWQLinear(nn.Module):
         return mod.to(linear.weight.device)
 
     @classmethod
-    def from_state_dict(cls, state: dict, prefix: str = "", group_size: Optional[int] = None):
+    def from_state_dict(cls, state: dict, prefix: str = "", group_size: int | None = None):
         """Build from an AutoAWQ-format state dict (``qweight``, ``qzeros``, ``scales``, ``bias``)."""
         try:
             qweight, qzeros, scales = (state[prefix + k] for k in ("qweight", "qzeros", "scales"))

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from .report import record_unfused
-
 
 def report_unfused(graph: torch.fx.Graph) -> None:
     """Placeholder until the candidate scanner lands: reports nothing."""

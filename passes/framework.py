@@ -31,7 +31,7 @@ def _source_files() -> tuple[str, ...]:
     return tuple(files + [str(ops if ops.exists() else _OPS_FILE)])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def patterns_for(families: tuple[str, ...]) -> dict[str, PatternMatcherPass]:
     """Trace and register the patterns of ``families`` (once per process)."""
     import compile_backend.ops  # noqa: F401  (the replacement ops must exist)
