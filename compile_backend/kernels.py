@@ -58,9 +58,25 @@ def csrc_dir() -> Path:
     raise FileNotFoundError("quantfuse: no csrc/ directory next to the package")
 
 
+def selected_families() -> list[str] | None:
+    """``QUANTFUSE_CSRC_ONLY=awq_gemm,...`` restricts the build to those csrc/ folders
+    (for kernel development; unset in normal use)."""
+    only = os.environ.get("QUANTFUSE_CSRC_ONLY")
+    return [f for f in only.split(",") if f] if only else None
+
+
 def sources() -> list[Path]:
     root = csrc_dir()
-    return sorted(p for p in root.rglob("*") if p.suffix in SOURCE_SUFFIXES)
+    only = selected_families()
+    return sorted(
+        p for p in root.rglob("*")
+        if p.suffix in SOURCE_SUFFIXES and (only is None or p.relative_to(root).parts[0] in only)
+    )
+
+
+def extension_name() -> str:
+    only = selected_families()
+    return EXTENSION_NAME if only is None else EXTENSION_NAME + "_" + "_".join(sorted(only))
 
 
 def cutlass_include_dirs() -> list[str]:
@@ -83,10 +99,17 @@ def arch_list_for(capability: tuple[int, int]) -> str:
     return f"{major}.{minor}a" if (major, minor) == (9, 0) else f"{major}.{minor}"
 
 
+def cxx_standard() -> str:
+    """torch 2.14's headers need C++20; 2.11-2.13 build as C++17."""
+    major, minor = (int(v) for v in torch.__version__.split(".")[:2])
+    return "c++20" if (major, minor) >= (2, 14) else "c++17"
+
+
 def nvcc_flags() -> list[str]:
+    """nvcc flags shared by the runtime build and CI's compile-only check."""
     return [
         "-O3",
-        "-std=c++17",
+        f"-std={cxx_standard()}",
         "--expt-relaxed-constexpr",
         "--expt-extended-lambda",
         "-DCUTLASS_ENABLE_TENSOR_CORE_MMA=1",
@@ -115,10 +138,10 @@ def build(verbose: bool = False):
     )
     start = time.monotonic()
     cpp_extension.load(
-        name=EXTENSION_NAME,
+        name=extension_name(),
         sources=[str(s) for s in srcs],
         extra_include_paths=includes,
-        extra_cflags=["-O3", "-std=c++17"],
+        extra_cflags=["-O3", f"-std={cxx_standard()}"],
         extra_cuda_cflags=nvcc_flags(),
         is_python_module=False,
         verbose=verbose,

@@ -1,0 +1,72 @@
+"""Compile every csrc/ source with nvcc, compile only, against torch's CUDA headers.
+
+CI has no GPU; this catches a kernel that does not compile.  Run it with a
+Python whose torch is a CUDA build (torch 2.14.1 from local disk on CI's
+machine).  Targets: sm_90a (what an H100 builds) and sm_80 (A100 class).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from torch.utils import cpp_extension
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from compile_backend import kernels  # noqa: E402
+
+ARCHES = os.environ.get("QUANTFUSE_CI_ARCHES", "90a,80").split(",")
+
+
+def command(source: Path, out: Path) -> list[str]:
+    includes = cpp_extension.include_paths(device_type="cuda") + [str(kernels.csrc_dir())]
+    includes += kernels.cutlass_include_dirs()
+    # The nvidia/cu13/include folder of a pip-installed CUDA torch holds the runtime headers.
+    cu_include = Path(torch.__file__).parents[1] / "nvidia" / "cu13" / "include"
+    if cu_include.is_dir():
+        includes.append(str(cu_include))
+    gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in ARCHES]
+    defines = ["-DTORCH_EXTENSION_NAME=quantfuse_C", "-DTORCH_API_INCLUDE_EXTENSION_H", "-D_GLIBCXX_USE_CXX11_ABI=1"]
+    compiler = "nvcc" if source.suffix == ".cu" else "c++"
+    flags = kernels.nvcc_flags() + gencode + ["-Xcompiler", "-fPIC"] if compiler == "nvcc" else [
+        "-O1", f"-std={kernels.cxx_standard()}", "-fPIC"]
+    return [compiler, "-c", str(source), "-o", str(out), *defines, *flags, *[f"-I{i}" for i in includes]]
+
+
+def main() -> int:
+    sources = kernels.sources()
+    if not sources:
+        print("compile_csrc: no sources under csrc/")
+        return 0
+    if not kernels.cutlass_include_dirs():
+        print("compile_csrc: CUTLASS headers not found (pip install nvidia-cutlass)")
+        return 1
+    out_dir = Path(os.environ.get("TMPDIR", "/tmp")) / "quantfuse_ci_objs"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    jobs = int(os.environ.get("MAX_JOBS", os.cpu_count() or 1))
+    print(f"compile_csrc: {len(sources)} sources, arches {ARCHES}, torch {torch.__version__}, {jobs} jobs", flush=True)
+
+    def run(source: Path):
+        start = time.monotonic()
+        proc = subprocess.run(command(source, out_dir / (source.stem + ".o")), capture_output=True, text=True)
+        return source, proc, time.monotonic() - start
+
+    failed = 0
+    with ThreadPoolExecutor(jobs) as pool:
+        for source, proc, seconds in pool.map(run, sources):
+            status = "ok" if proc.returncode == 0 else "FAILED"
+            print(f"  {status:6} {source.relative_to(ROOT)} ({seconds:.0f} s)", flush=True)
+            if proc.returncode != 0:
+                failed += 1
+                print(proc.stdout[-4000:], proc.stderr[-8000:])
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
