@@ -1,0 +1,143 @@
+"""Packers and reference quantized modules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import compile_backend.ops as ops
+from compile_backend.quantize import (
+    AWQLinear,
+    W8A8Linear,
+    awq_pack,
+    awq_unpack_values,
+    quantize_model,
+    quantize_weight_awq,
+    quantize_weight_fp8,
+    quantize_weight_int8,
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 9), packs=st.integers(1, 6), seed=st.integers(0, 2**31 - 1))
+def test_awq_pack_unpack_is_identity(rows, packs, seed):
+    values = torch.randint(0, 16, (rows, 8 * packs), dtype=torch.int32, generator=torch.Generator().manual_seed(seed))
+    packed = awq_pack(values)
+    assert packed.shape == (rows, packs) and packed.dtype == torch.int32
+    assert torch.equal(awq_unpack_values(packed), values)
+
+
+def test_awq_pack_rejects_out_of_range():
+    with pytest.raises(ValueError, match=r"\[0, 15\]"):
+        awq_pack(torch.full((1, 8), 16, dtype=torch.int32))
+    with pytest.raises(ValueError, match="N % 8"):
+        awq_pack(torch.zeros(1, 7, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("per_channel", [True, False])
+def test_int8_weights_within_half_a_step(per_channel):
+    w = torch.randn(48, 64) * 0.05
+    q, s = quantize_weight_int8(w, per_channel)
+    step = s.unsqueeze(1) if per_channel else s
+    assert q.dtype == torch.int8
+    assert ((q.float() * step - w).abs() <= step / 2 + 1e-7).all()
+
+
+@pytest.mark.parametrize("per_channel", [True, False])
+def test_fp8_weights_within_half_a_step(per_channel):
+    w = torch.randn(48, 64) * 0.05
+    q, s = quantize_weight_fp8(w, per_channel)
+    scale = s.unsqueeze(1) if per_channel else s
+    x = w / scale
+    # e4m3 has 3 mantissa bits: the spacing around |x| is 2**(floor(log2|x|) - 3) (subnormals: 2**-9).
+    spacing = torch.exp2(torch.floor(torch.log2(x.abs().clamp(min=2**-6))) - 3)
+    assert ((q.float() - x).abs() <= spacing / 2 + 1e-7).all()
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128, 256])
+def test_awq_weights_within_half_a_step(group_size):
+    N, K = 64, 256
+    w = torch.randn(N, K) * 0.05
+    qweight, qzeros, scales = quantize_weight_awq(w, group_size, torch.float32)
+    deq = ops.awq_dequantize_reference(qweight, scales.half(), qzeros, group_size).float()
+    # Compare in float32 on the float32 scales: the half-step bound is about rounding-to-nearest.
+    q = awq_unpack_values(qweight).float()
+    z = awq_unpack_values(qzeros).float().repeat_interleave(group_size, 0)
+    s = scales.repeat_interleave(group_size, 0)
+    assert (((q - z) * s - w.t()).abs() <= s / 2 + 1e-6).all()
+    assert deq.shape == (K, N)
+
+
+def test_awq_linear_from_state_dict_matches_original():
+    lin = nn.Linear(128, 64).half()
+    mod = AWQLinear.from_linear(lin, group_size=64)
+    state = {f"layer.{k}": v for k, v in mod.state_dict().items()}
+    loaded = AWQLinear.from_state_dict(state, prefix="layer.")
+    assert loaded.group_size == 64
+    x = torch.randn(3, 128).half()
+    assert torch.equal(loaded(x), mod(x))
+    with pytest.raises(ValueError, match="group_size 32 but 'scales' implies 64"):
+        AWQLinear.from_state_dict(state, prefix="layer.", group_size=32)
+    with pytest.raises(KeyError, match="qzeros"):
+        AWQLinear.from_state_dict({"qweight": state["layer.qweight"], "scales": state["layer.scales"]})
+
+
+W8A8_VARIANTS = [
+    dict(weight_dtype=torch.int8),
+    dict(weight_dtype=torch.int8, per_channel=False, per_token=False),
+    dict(weight_dtype=torch.int8, symmetric=False),
+    dict(weight_dtype=torch.int8, symmetric=False, per_token=False),
+    dict(weight_dtype=torch.float8_e4m3fn),
+    dict(weight_dtype=torch.float8_e4m3fn, per_channel=False, per_token=False),
+]
+
+
+@pytest.mark.parametrize("kw", W8A8_VARIANTS, ids=str)
+def test_w8a8_linear_is_close_to_float(kw):
+    torch.manual_seed(0)
+    lin = nn.Linear(256, 96)
+    mod = W8A8Linear.from_linear(lin, out_dtype=torch.float32, **kw)
+    x = torch.randn(4, 7, 256)
+    ref, out = lin(x), mod(x)
+    assert out.shape == ref.shape
+    err = ((out - ref).norm() / ref.norm()).item()
+    # int8 per-token/per-channel: ~1% relative error; fp8 e4m3 (3 mantissa bits): a few %.
+    assert err < (0.02 if kw["weight_dtype"] == torch.int8 else 0.06), err
+
+
+def test_w8a8_linear_static_calibration():
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 32)
+    x = torch.randn(16, 64)
+    for symmetric in (True, False):
+        mod = W8A8Linear.from_linear(lin, dynamic=False, per_token=False, symmetric=symmetric,
+                                     out_dtype=torch.float32, calibration=x)
+        assert ((mod(x) - lin(x)).norm() / lin(x).norm()) < 0.03
+    with pytest.raises(ValueError, match="calibration"):
+        W8A8Linear.from_linear(lin, dynamic=False, per_token=False)
+
+
+def test_w8a8_linear_matches_scaled_mm_op():
+    # The module's math is the op's: quantize, then one scaled_mm call.
+    torch.manual_seed(0)
+    mod = W8A8Linear.from_linear(nn.Linear(64, 32), out_dtype=torch.float32)
+    x = torch.randn(5, 64)
+    q, scale, _ = mod.quantize_input(x)
+    out = ops.scaled_mm(q, mod.weight.t(), scale, mod.weight_scale, torch.float32, mod.bias)
+    torch.testing.assert_close(out, mod(x), rtol=1e-5, atol=1e-5)
+
+
+def test_quantize_model_swaps_linears_and_skips_lm_head():
+    from compile_backend.llama import tiny_llama
+
+    model = quantize_model(tiny_llama(), "int8")
+    kinds = {type(m).__name__ for n, m in model.named_modules() if n.endswith("_proj")}
+    assert kinds == {"W8A8Linear"}
+    assert isinstance(model.lm_head, nn.Linear)
+    awq = quantize_model(tiny_llama(dtype=torch.float16), "awq-g64")
+    assert all(m.group_size == 64 for m in awq.modules() if isinstance(m, AWQLinear))
+    with pytest.raises(ValueError, match="scheme 'int3'"):
+        quantize_model(tiny_llama(), "int3")
