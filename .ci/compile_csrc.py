@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import sysconfig
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -31,6 +32,7 @@ def command(source: Path, out: Path) -> list[str]:
     cu_include = Path(torch.__file__).parents[1] / "nvidia" / "cu13" / "include"
     if cu_include.is_dir():
         includes.append(str(cu_include))
+    includes.append(sysconfig.get_paths()["include"])
     gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in ARCHES]
     defines = ["-DTORCH_EXTENSION_NAME=quantfuse_C", "-DTORCH_API_INCLUDE_EXTENSION_H", "-D_GLIBCXX_USE_CXX11_ABI=1"]
     compiler = "nvcc" if source.suffix == ".cu" else "c++"
