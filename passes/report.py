@@ -75,3 +75,23 @@ def record_unfused(node: str, target: str, reason: str) -> None:
     log.info("quantfuse: not fused %s (%s): %s", node, target, reason)
     for report in _active():
         report.unfused.append(Unfused(node, target, reason))
+
+
+# --------------------------------------------------------------------------- per-node reasons
+#
+# A pattern that matched a subgraph's structure but failed a check remembers why
+# on the matmul node it would have replaced; ``candidates.report_unfused`` reads
+# it back when that matmul is still in the graph after the passes ran.
+
+REASON_KEY = "quantfuse_unfused_reason"
+
+
+def note_reason(node, reason: str) -> None:
+    """Remember on ``node`` (an FX node) why a pattern rooted at it did not fuse."""
+    reasons = node.meta.setdefault(REASON_KEY, [])
+    if reason not in reasons:
+        reasons.append(reason)
+
+
+def noted_reasons(node) -> list[str]:
+    return list(node.meta.get(REASON_KEY, ()))
