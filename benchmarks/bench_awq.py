@@ -1,0 +1,256 @@
+"""AWQ W4A16 GEMM benchmark: quantfuse against what a user runs instead, in one run.
+
+For (N, K) in the four Llama layer shapes and M in {1, 16, 64, 256, 1024, 4096}:
+
+* ours            torch.ops.quantfuse.awq_gemm (dispatch: fused kernel for small M,
+                  dequantize kernel + cuBLAS above the crossover)
+* ours_kernel     the fused kernel alone (any M; to find the crossover)
+* ours_dq_cublas  our dequantize kernel + cuBLAS alone
+* cublas_fp16     fp16 cuBLAS on the dequantized weight, ``x @ w.t()``
+* tinygemm        torch._weight_int4pack_mm (bf16, group 128)
+* inductor        AWQ dequant + matmul (AWQLinear.forward) under torch.compile's default
+                  backend, compiled once with dynamic shapes
+
+fp16 activations, group size 128.  Each timed call runs as a CUDA graph that loops over
+enough input copies (weights included) to exceed twice the 50 MB L2, so no call reads a
+weight from L2 left there by the previous one; host launch overhead is excluded for
+every path alike.  Times are medians of triton.testing.do_bench(return_mode="median"),
+divided by the copies per replay.  Effective TB/s counts the int4 weight, scales and
+zeros bytes once.
+
+    PYTHONPATH=. python benchmarks/bench_awq.py --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import compile_backend  # noqa: E402,F401
+from compile_backend import kernels  # noqa: E402
+from compile_backend.cuda import awq_gemm as awq_cuda  # noqa: E402
+from compile_backend.quantize import AWQLinear, awq_pack  # noqa: E402
+
+SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
+MS = (1, 16, 64, 256, 1024, 4096)
+G = 128
+L2_BYTES = 50 * 2**20
+DEV = "cuda"
+
+
+def weight_bytes(N, K, G=G):
+    return K * N // 2 + (K // G) * N * 2 + (K // G) * N // 2
+
+
+def copies_for(set_bytes, cap=8):
+    return max(1, min(cap, math.ceil(2 * L2_BYTES / max(1, set_bytes))))
+
+
+def bench_graph(calls, do_bench):
+    """Median µs of one call, ``calls`` a list of closures over distinct inputs."""
+    for c in calls:  # warm up outside the graph (builds, caches, autotuning)
+        c()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    torch.cuda.synchronize()
+    ms = do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
+    del graph
+    return ms * 1000.0 / len(calls)
+
+
+def make_set(M, N, K, gen):
+    q = torch.randint(0, 16, (K, N), generator=gen, device=DEV, dtype=torch.int32)
+    z = torch.randint(0, 16, (K // G, N), generator=gen, device=DEV, dtype=torch.int32)
+    s = (torch.rand((K // G, N), generator=gen, device=DEV) * 2e-3 + 1e-4).half()
+    x = torch.randn((M, K), generator=gen, device=DEV).half()
+    return x, awq_pack(q), s, awq_pack(z)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--shapes", default="all")
+    ap.add_argument("--ms", default=",".join(map(str, MS)))
+    ap.add_argument("--sanitize", action="store_true", help="a few small calls of every kernel, for compute-sanitizer")
+    args = ap.parse_args()
+    assert kernels.ensure_loaded(), kernels.status()
+    if args.sanitize:
+        return sanitize()
+    from triton.testing import do_bench
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ms_list = [int(m) for m in args.ms.split(",")]
+    shapes = SHAPES if args.shapes == "all" else [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
+    gen = torch.Generator(device=DEV).manual_seed(0)
+
+    # Inductor baseline: one compiled AWQLinear-style forward, dynamic shapes.
+    def awq_forward(x, qweight, qzeros, scales):
+        from compile_backend.ops import awq_unpack
+
+        w = awq_unpack(qweight)
+        zz = awq_unpack(qzeros).repeat_interleave(G, dim=0)
+        return torch.matmul(x, (w - zz).to(scales.dtype) * scales.repeat_interleave(G, dim=0))
+
+    inductor_fn = torch.compile(awq_forward, dynamic=True)
+    assert AWQLinear is not None  # the module whose forward this mirrors
+
+    rows = []
+    for N, K in shapes:
+        wb = weight_bytes(N, K)
+        for M in ms_list:
+            row = {"N": N, "K": K, "M": M, "weight_bytes": wb}
+            act_bytes = M * K * 2 + M * N * 2
+            # --- ours and our two paths
+            n_ours = copies_for(wb + act_bytes)
+            sets = [make_set(M, N, K, gen) for _ in range(n_ours)]
+            packed = []
+            row["ours"] = bench_graph(
+                [lambda s=s: torch.ops.quantfuse.awq_gemm(s[0], s[1], s[2], s[3], G) for s in sets], do_bench)
+            if M <= 1024:
+                packed = [awq_cuda.packed_weight(s[1]) for s in sets]
+                row["ours_kernel"] = bench_graph(
+                    [lambda s=s, p=p: torch.ops.quantfuse._awq_gemm_cuda(s[0], p, s[2], s[3], G, None)
+                     for s, p in zip(sets, packed)], do_bench)
+            if M >= 16:
+                row["ours_dq_cublas"] = bench_graph(
+                    [lambda s=s: torch.mm(s[0], torch.ops.quantfuse._awq_dequantize_cuda(s[1], s[2], s[3], G))
+                     for s in sets], do_bench)
+            # correctness spot check of the dispatch against the dense product
+            x, qw, s_, qz = sets[0]
+            dense = torch.ops.quantfuse.awq_dequantize(qw, s_, qz, G)
+            ref = x.float() @ dense.float()
+            out = torch.ops.quantfuse.awq_gemm(x, qw, s_, qz, G).float()
+            row["rel_err"] = (torch.linalg.norm(out - ref) / torch.linalg.norm(ref)).item()
+            # --- inductor on the same AWQ tensors
+            row["inductor"] = bench_graph(
+                [lambda s=s: inductor_fn(s[0], s[1], s[3], s[2]) for s in sets], do_bench)
+            del sets, packed
+            # --- fp16 cuBLAS on the dequantized weight, nn.Linear layout [N, K]
+            dense_t = dense.t().contiguous()
+            n_cb = copies_for(K * N * 2 + act_bytes)
+            cb = [(torch.randn((M, K), generator=gen, device=DEV).half(),
+                   dense_t if i == 0 else dense_t.clone()) for i in range(n_cb)]
+            row["cublas_fp16"] = bench_graph([lambda c=c: c[0] @ c[1].t() for c in cb], do_bench)
+            del cb, dense_t, dense
+            # --- tinygemm: bf16, group 128
+            n_tg = copies_for(wb + act_bytes)
+            tg = []
+            for _ in range(n_tg):
+                wq = torch.randint(0, 16, (N, K), generator=gen, device=DEV, dtype=torch.int32)
+                w_u8 = ((wq[:, ::2] << 4) | wq[:, 1::2]).to(torch.uint8)
+                wpk = torch.ops.aten._convert_weight_to_int4pack(w_u8, 8)
+                sz = torch.rand((K // G, N, 2), generator=gen, device=DEV).to(torch.bfloat16)
+                tg.append((torch.randn((M, K), generator=gen, device=DEV).to(torch.bfloat16), wpk, sz))
+            row["tinygemm"] = bench_graph(
+                [lambda t=t: torch._weight_int4pack_mm(t[0], t[1], G, t[2]) for t in tg], do_bench)
+            del tg
+            torch.cuda.empty_cache()
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+
+    meta = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "kernel_max_m": awq_cuda.KERNEL_MAX_M,
+        "group_size": G,
+        "dtype": "float16 (tinygemm: bfloat16)",
+    }
+    with open(os.path.join(args.out, "bench_awq.json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    md = render(meta, rows)
+    with open(os.path.join(args.out, "results_awq_table.md"), "w") as f:
+        f.write(md)
+    plot(rows, os.path.join(args.out, "bench_awq.png"))
+    print(md)
+
+
+def sanitize():
+    """Small calls of the repack, dequantize, fused (split-K and not) and large-M paths."""
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    worst = 0.0
+    for dtype in (torch.float16, torch.bfloat16):
+        for (N, K, g) in ((128, 256, 32), (192, 4096, 128), (64, 64, 64)):
+            q = torch.randint(0, 16, (K, N), generator=gen, device=DEV, dtype=torch.int32)
+            z = torch.randint(0, 16, (K // g, N), generator=gen, device=DEV, dtype=torch.int32)
+            s = (torch.rand((K // g, N), generator=gen, device=DEV) * 1e-2 + 1e-3).to(dtype)
+            qw, qz = awq_pack(q), awq_pack(z)
+            dense = torch.ops.quantfuse.awq_dequantize(qw, s, qz, g)
+            for M in (1, 5, 17, 40, 100):
+                x = torch.randn((M, K), generator=gen, device=DEV).to(dtype)
+                b = torch.randn((N,), generator=gen, device=DEV).to(dtype)
+                out = torch.ops.quantfuse.awq_gemm(x, qw, s, qz, g, b).float()
+                ref = x.float() @ dense.float() + b.float()
+                worst = max(worst, (torch.linalg.norm(out - ref) / torch.linalg.norm(ref)).item())
+    torch.cuda.synchronize()
+    print(f"sanitize run done; worst relative error {worst:.3g}")
+
+
+def render(meta, rows):
+    out = [f"GPU: {meta['gpu']}; torch {meta['torch']}; {meta['date']}; fp16, group {meta['group_size']}; "
+           f"fused kernel for M <= {meta['kernel_max_m']}. Times in µs (CUDA-graph replays, median); "
+           "TB/s = int4 weight+scales+zeros bytes / time.\n"]
+    for (N, K) in sorted({(r["N"], r["K"]) for r in rows}, key=lambda t: (t[0] * t[1])):
+        out.append(f"\n### N={N}, K={K} (int4 weight+scales+zeros {weight_bytes(N, K) / 1e6:.1f} MB)\n")
+        out.append("| M | ours | TB/s | kernel | dq+cuBLAS | fp16 cuBLAS | tinygemm | Inductor | "
+                   "vs cuBLAS | vs tinygemm | vs Inductor |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            if (r["N"], r["K"]) != (N, K):
+                continue
+            f = lambda k: f"{r[k]:.1f}" if k in r else "-"
+            tbs = r["weight_bytes"] / (r["ours"] * 1e-6) / 1e12
+            out.append(f"| {r['M']} | {f('ours')} | {tbs:.2f} | {f('ours_kernel')} | {f('ours_dq_cublas')} | "
+                       f"{f('cublas_fp16')} | {f('tinygemm')} | {f('inductor')} | "
+                       f"{r['cublas_fp16'] / r['ours']:.2f}x | {r['tinygemm'] / r['ours']:.2f}x | "
+                       f"{r['inductor'] / r['ours']:.2f}x |")
+    return "\n".join(out) + "\n"
+
+
+def plot(rows, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as exc:  # plotting is optional
+        print("no plot:", exc)
+        return
+    shapes = sorted({(r["N"], r["K"]) for r in rows})
+    fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4), squeeze=False)
+    for ax, (N, K) in zip(axes[0], shapes):
+        rs = [r for r in rows if (r["N"], r["K"]) == (N, K)]
+        for key in ("ours", "ours_kernel", "ours_dq_cublas", "cublas_fp16", "tinygemm", "inductor"):
+            pts = [(r["M"], r[key]) for r in rs if key in r]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=key)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"N={N} K={K}")
+        ax.set_xlabel("M")
+        ax.set_ylabel("µs")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

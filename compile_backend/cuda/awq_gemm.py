@@ -1,0 +1,145 @@
+"""CUDA dispatch for quantfuse.awq_gemm and quantfuse.awq_dequantize (csrc/awq_gemm/).
+
+* ``awq_gemm`` with M <= ``KERNEL_MAX_M``: the weight-streaming tensor-core kernel
+  (int4 dequantized in registers into mma.sync fragments, split-K over the SMs).
+  It reads the weight in its own fragment layout, made once per weight by
+  ``_awq_repack_cuda`` and kept in a cache keyed by the ``qweight`` tensor (its
+  identity, storage pointer and ``_version``): never per call.
+* ``awq_gemm`` with larger M: the dequantize kernel to a dense weight, then cuBLAS
+  (``addmm``), where the measurements (benchmarks/results_awq.md) show it wins.
+* ``awq_dequantize``: the dequantize kernel.
+
+Unsupported inputs (N not a multiple of 64, K or the group size not a multiple of 16,
+pre-sm_80 GPUs, CPU tensors) return a reason and the reference runs.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+
+import torch
+
+from .. import kernels
+
+STRIP_N = 64
+# M at and below which the fused kernel runs; above, dequantize + cuBLAS.  Measured
+# crossover on an H100 (benchmarks/results_awq.md); override for experiments.
+KERNEL_MAX_M = int(os.environ.get("QUANTFUSE_AWQ_KERNEL_MAX_M", "64"))
+
+_ACT_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _common_reason(qweight, scales, qzeros, group_size) -> str | None:
+    from ..ops import _check_awq
+
+    _check_awq("awq_gemm", qweight, scales, qzeros, group_size)  # malformed input raises
+    if not (qweight.is_cuda and scales.is_cuda and qzeros.is_cuda):
+        return "tensors are not all on a CUDA device"
+    if len({qweight.device, scales.device, qzeros.device}) != 1:
+        return "tensors are on different devices"
+    if scales.dtype not in _ACT_DTYPES:
+        return f"dtype {scales.dtype} (kernels take float16/bfloat16)"
+    if torch.cuda.get_device_capability(qweight.device) < (8, 0):
+        return "GPU older than sm_80 (no bf16 mma.sync)"
+    return None
+
+
+def supports_gemm(x, qweight, scales, qzeros, group_size, bias=None) -> str | None:
+    from ..ops import _check_awq
+
+    _check_awq("awq_gemm", qweight, scales, qzeros, group_size, x, bias)
+    reason = _common_reason(qweight, scales, qzeros, group_size)
+    if reason is not None:
+        return reason
+    if not x.is_cuda or x.device != qweight.device or (bias is not None and bias.device != x.device):
+        return "x/bias not on the weight's CUDA device"
+    K, N = qweight.shape[0], qweight.shape[1] * 8
+    if N % STRIP_N != 0:
+        return f"N = {N} is not a multiple of {STRIP_N}"
+    if K % 16 != 0 or group_size % 16 != 0:
+        return f"K = {K} and group_size = {group_size} must be multiples of 16"
+    if x.shape[0] * max(K, N) >= 2**31 or K * N >= 2**31:
+        return "sizes exceed 32-bit indexing"
+    if x.is_contiguous() and x.data_ptr() % 4 != 0:
+        return "x not 4-byte aligned"
+    if x.shape[0] > KERNEL_MAX_M and scales.is_contiguous() and scales.data_ptr() % 16 != 0:
+        return "scales not 16-byte aligned"
+    return None
+
+
+def supports_dequantize(qweight, scales, qzeros, group_size) -> str | None:
+    reason = _common_reason(qweight, scales, qzeros, group_size)
+    if reason is not None:
+        return reason
+    if qweight.shape[0] * qweight.shape[1] * 8 >= 2**31:
+        return "sizes exceed 32-bit indexing"
+    if scales.is_contiguous() and scales.data_ptr() % 16 != 0:
+        return "scales not 16-byte aligned"
+    return None
+
+
+# --------------------------------------------------------------------------- repack cache
+
+_cache: dict[int, tuple] = {}
+_cache_lock = threading.Lock()
+stats = {"repacks": 0, "hits": 0}
+
+
+def _drop(key: int) -> None:
+    with _cache_lock:
+        _cache.pop(key, None)
+
+
+def packed_weight(qweight: torch.Tensor) -> torch.Tensor:
+    """The fragment-layout copy of ``qweight``, made once per weight (and again only if
+    the weight is modified in place)."""
+    key = id(qweight)
+    version, ptr = qweight._version, qweight.data_ptr()
+    entry = _cache.get(key)
+    if entry is not None:
+        ref, e_version, e_ptr, packed = entry
+        if ref() is qweight and e_version == version and e_ptr == ptr:
+            stats["hits"] += 1
+            return packed
+    packed = torch.ops.quantfuse._awq_repack_cuda(qweight.contiguous())
+    stats["repacks"] += 1
+    if torch.cuda.is_current_stream_capturing():
+        # Memory allocated during capture belongs to the graph's pool: do not keep it.
+        return packed
+    with _cache_lock:
+        if key not in _cache:
+            weakref.finalize(qweight, _drop, key)
+        _cache[key] = (weakref.ref(qweight), version, ptr, packed)
+    return packed
+
+
+def clear_cache() -> None:
+    with _cache_lock:
+        _cache.clear()
+
+
+# --------------------------------------------------------------------------- launches
+
+
+def launch_gemm(x, qweight, scales, qzeros, group_size, bias=None):
+    M, N = x.shape[0], qweight.shape[1] * 8
+    if M == 0:
+        return x.new_empty((0, N))
+    x = x.contiguous()
+    scales, qzeros = scales.contiguous(), qzeros.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    if M <= KERNEL_MAX_M:
+        return torch.ops.quantfuse._awq_gemm_cuda(x, packed_weight(qweight), scales, qzeros, group_size, bias)
+    w = torch.ops.quantfuse._awq_dequantize_cuda(qweight.contiguous(), scales, qzeros, group_size)
+    return torch.addmm(bias, x, w) if bias is not None else torch.mm(x, w)
+
+
+def launch_dequantize(qweight, scales, qzeros, group_size):
+    return torch.ops.quantfuse._awq_dequantize_cuda(qweight.contiguous(), scales.contiguous(),
+                                                    qzeros.contiguous(), group_size)
+
+
+kernels.register("awq_gemm", supports_gemm, launch_gemm)
+kernels.register("awq_dequantize", supports_dequantize, launch_dequantize)

@@ -1,0 +1,42 @@
+// quantfuse AWQ W4A16 kernels: launcher interface.
+//
+// Plain C++ (no torch headers): awq_gemm_kernels.cu implements these with CUDA
+// only, awq_gemm_ops.cpp checks tensors and calls them on the current stream.
+#pragma once
+
+#include <cstdint>
+#include <cuda_runtime.h>
+
+namespace quantfuse {
+namespace awq {
+
+enum class DType { kHalf = 0, kBFloat16 = 1 };
+
+// Columns of one weight strip in the repacked layout (one warp's N tile).
+constexpr int kStripN = 64;
+
+// Repacks AWQ qweight [K, N/8] (int32, AWQ nibble order) into the fragment layout
+// read by the GEMM kernel: [N/64][K/16][32 lanes][4 x uint32], where lane l's word j
+// holds the 8 nibbles of its mma.m16n8k16 B fragments for columns
+// strip*64 + j*16 + l/4 (+8), rows 16*kt + 2*(l%4) (+1, +8, +9).
+// K % 16 == 0, N % 64 == 0.
+cudaError_t launch_repack(const uint32_t* qweight, uint32_t* out, int K, int N, cudaStream_t stream);
+
+// out[K, N] = (q - z) * s in the activation dtype, from the original AWQ layout.
+// N % 8 == 0, K % group_size == 0; scales 16-byte aligned.
+cudaError_t launch_dequantize(DType dtype, const uint32_t* qweight, const void* scales,
+                              const uint32_t* qzeros, void* out, int K, int N, int group_size,
+                              cudaStream_t stream);
+
+// Number of K splits the GEMM launch will use for this shape (1: no workspace needed).
+int gemm_splits(DType dtype, int M, int N, int K, int device);
+
+// out[M, N] = x[M, K] @ W + bias, W dequantized in registers from the repacked layout.
+// partial: fp32 workspace of splits*M*N floats when splits > 1 (else unused, may be null).
+// N % 64 == 0, K % 16 == 0, group_size % 16 == 0, K % group_size == 0.
+cudaError_t launch_gemm(DType dtype, const void* x, const uint32_t* wpacked, const void* scales,
+                        const uint32_t* qzeros, const void* bias, void* out, float* partial,
+                        int M, int N, int K, int group_size, int splits, cudaStream_t stream);
+
+}  // namespace awq
+}  // namespace quantfuse

@@ -1,0 +1,150 @@
+// quantfuse AWQ W4A16: tensor checks and op registration for the CUDA kernels.
+//
+// The public ops quantfuse::awq_gemm / awq_dequantize are defined in Python
+// (compile_backend/ops.py); compile_backend/cuda/awq_gemm.py calls these private ops.
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/all.h>
+
+#include <cstdint>
+#include <optional>
+
+#include "awq_gemm/awq_gemm.h"
+
+namespace {
+
+using quantfuse::awq::DType;
+
+DType dtype_of(const at::Tensor& t, const char* name) {
+  if (t.scalar_type() == at::kHalf) return DType::kHalf;
+  if (t.scalar_type() == at::kBFloat16) return DType::kBFloat16;
+  TORCH_CHECK(false, "quantfuse awq: '", name, "' has dtype ", t.scalar_type(), "; expected float16 or bfloat16");
+}
+
+void check_cuda_contig(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_cuda(), "quantfuse awq: '", name, "' must be a CUDA tensor");
+  TORCH_CHECK(t.is_contiguous(), "quantfuse awq: '", name, "' must be contiguous");
+}
+
+void check_aligned(const at::Tensor& t, const char* name, int bytes = 16) {
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % bytes == 0, "quantfuse awq: '", name, "' must be ", bytes,
+              "-byte aligned");
+}
+
+void check_launch(cudaError_t err, const char* what) {
+  TORCH_CHECK(err == cudaSuccess, "quantfuse awq: ", what, " launch failed: ", cudaGetErrorString(err));
+}
+
+// qweight [K, N/8] int32 (AWQ order) -> fragment layout, same number of int32s.
+at::Tensor awq_repack_cuda(const at::Tensor& qweight) {
+  check_cuda_contig(qweight, "qweight");
+  TORCH_CHECK(qweight.scalar_type() == at::kInt && qweight.dim() == 2, "quantfuse awq: 'qweight' must be 2-D int32");
+  const int64_t K = qweight.size(0), N = qweight.size(1) * 8;
+  TORCH_CHECK(K % 16 == 0 && N % quantfuse::awq::kStripN == 0, "quantfuse awq repack: K % 16 and N % 64 must be 0 (K=",
+              K, ", N=", N, ")");
+  const c10::cuda::CUDAGuard guard(qweight.device());
+  at::Tensor out = at::empty({N / quantfuse::awq::kStripN, K / 16, 32, 4}, qweight.options());
+  if (K > 0 && N > 0) {
+    check_launch(quantfuse::awq::launch_repack(reinterpret_cast<const uint32_t*>(qweight.data_ptr<int32_t>()),
+                                               reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>()), (int)K, (int)N,
+                                               at::cuda::getCurrentCUDAStream()),
+                 "awq_repack");
+  }
+  return out;
+}
+
+void check_awq_args(const at::Tensor& scales, const at::Tensor& qzeros, int64_t K, int64_t N, int64_t group_size) {
+  check_cuda_contig(scales, "scales");
+  check_cuda_contig(qzeros, "qzeros");
+  TORCH_CHECK(group_size > 0 && K % group_size == 0, "quantfuse awq: group_size ", group_size, " must divide K = ", K);
+  const int64_t groups = K / group_size;
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == groups && scales.size(1) == N, "quantfuse awq: 'scales' has shape ",
+              scales.sizes(), "; expected (", groups, ", ", N, ")");
+  TORCH_CHECK(qzeros.scalar_type() == at::kInt && qzeros.dim() == 2 && qzeros.size(0) == groups &&
+                  qzeros.size(1) == N / 8,
+              "quantfuse awq: 'qzeros' must be int32 of shape (", groups, ", ", N / 8, ")");
+}
+
+at::Tensor awq_dequantize_cuda(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& qzeros,
+                               int64_t group_size) {
+  check_cuda_contig(qweight, "qweight");
+  TORCH_CHECK(qweight.scalar_type() == at::kInt && qweight.dim() == 2, "quantfuse awq: 'qweight' must be 2-D int32");
+  const int64_t K = qweight.size(0), N = qweight.size(1) * 8;
+  check_awq_args(scales, qzeros, K, N, group_size);
+  check_aligned(scales, "scales");
+  const DType dt = dtype_of(scales, "scales");
+  const c10::cuda::CUDAGuard guard(qweight.device());
+  at::Tensor out = at::empty({K, N}, scales.options());
+  if (K > 0 && N > 0) {
+    check_launch(quantfuse::awq::launch_dequantize(
+                     dt, reinterpret_cast<const uint32_t*>(qweight.data_ptr<int32_t>()), scales.data_ptr(),
+                     reinterpret_cast<const uint32_t*>(qzeros.data_ptr<int32_t>()), out.data_ptr(), (int)K, (int)N,
+                     (int)group_size, at::cuda::getCurrentCUDAStream()),
+                 "awq_dequantize");
+  }
+  return out;
+}
+
+// x [M, K] @ W (repacked by awq_repack_cuda) + bias.
+at::Tensor awq_gemm_cuda(const at::Tensor& x, const at::Tensor& wpacked, const at::Tensor& scales,
+                         const at::Tensor& qzeros, int64_t group_size, const std::optional<at::Tensor>& bias) {
+  check_cuda_contig(x, "x");
+  check_cuda_contig(wpacked, "wpacked");
+  TORCH_CHECK(x.dim() == 2, "quantfuse awq_gemm: 'x' must be 2-D [M, K]");
+  const DType dt = dtype_of(x, "x");
+  TORCH_CHECK(scales.scalar_type() == x.scalar_type(), "quantfuse awq_gemm: 'scales' dtype must match 'x'");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(wpacked.scalar_type() == at::kInt && wpacked.dim() == 4 && wpacked.size(1) == K / 16 &&
+                  wpacked.size(2) == 32 && wpacked.size(3) == 4,
+              "quantfuse awq_gemm: 'wpacked' has shape ", wpacked.sizes(), "; expected (N/64, K/16, 32, 4)");
+  const int64_t N = wpacked.size(0) * quantfuse::awq::kStripN;
+  TORCH_CHECK(K % 16 == 0 && group_size % 16 == 0, "quantfuse awq_gemm: K (", K, ") and group_size (", group_size,
+              ") must be multiples of 16");
+  check_awq_args(scales, qzeros, K, N, group_size);
+  check_aligned(x, "x", 4);
+  check_aligned(wpacked, "wpacked");
+  const void* bias_ptr = nullptr;
+  if (bias.has_value()) {
+    check_cuda_contig(*bias, "bias");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == x.scalar_type(),
+                "quantfuse awq_gemm: 'bias' must be [N] in the dtype of 'x'");
+    bias_ptr = bias->data_ptr();
+  }
+  TORCH_CHECK(M * K < (int64_t(1) << 31) && K * N < (int64_t(1) << 31) && M * N < (int64_t(1) << 31),
+              "quantfuse awq_gemm: sizes too large for 32-bit indexing");
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  if (K == 0) return bias.has_value() ? bias->unsqueeze(0).expand({M, N}).contiguous() : out.zero_();
+  const int splits = quantfuse::awq::gemm_splits(dt, (int)M, (int)N, (int)K, x.get_device());
+  at::Tensor partial;
+  if (splits > 1) partial = at::empty({splits, M, N}, x.options().dtype(at::kFloat));
+  check_launch(quantfuse::awq::launch_gemm(dt, x.data_ptr(), reinterpret_cast<const uint32_t*>(wpacked.data_ptr<int32_t>()),
+                                           scales.data_ptr(), reinterpret_cast<const uint32_t*>(qzeros.data_ptr<int32_t>()),
+                                           bias_ptr, out.data_ptr(), splits > 1 ? partial.data_ptr<float>() : nullptr,
+                                           (int)M, (int)N, (int)K, (int)group_size, splits,
+                                           at::cuda::getCurrentCUDAStream()),
+               "awq_gemm");
+  return out;
+}
+
+int64_t awq_gemm_splits(int64_t M, int64_t N, int64_t K, bool bf16, int64_t device) {
+  return quantfuse::awq::gemm_splits(bf16 ? DType::kBFloat16 : DType::kHalf, (int)M, (int)N, (int)K, (int)device);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(quantfuse, m) {
+  m.def("_awq_repack_cuda(Tensor qweight) -> Tensor");
+  m.def("_awq_dequantize_cuda(Tensor qweight, Tensor scales, Tensor qzeros, int group_size) -> Tensor");
+  m.def("_awq_gemm_cuda(Tensor x, Tensor wpacked, Tensor scales, Tensor qzeros, int group_size, "
+        "Tensor? bias=None) -> Tensor");
+  m.def("_awq_gemm_splits(int M, int N, int K, bool bf16, int device) -> int", &awq_gemm_splits);
+}
+
+TORCH_LIBRARY_IMPL(quantfuse, CUDA, m) {
+  m.impl("_awq_repack_cuda", &awq_repack_cuda);
+  m.impl("_awq_dequantize_cuda", &awq_dequantize_cuda);
+  m.impl("_awq_gemm_cuda", &awq_gemm_cuda);
+}

@@ -1,0 +1,233 @@
+"""GPU tests of the AWQ W4A16 CUDA kernels (csrc/awq_gemm/, compile_backend/cuda/awq_gemm.py).
+
+Skipped as a whole without CUDA.  Every check draws fresh random data (zeros and scales
+at their extremes, large activations, never all zeros), poisons the memory the output
+will be allocated from with NaN, and compares with a float64 reference computed from
+the packed integers.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+import compile_backend  # noqa: E402,F401  (registers ops and kernel families)
+from compile_backend import kernels  # noqa: E402
+from compile_backend.cuda import awq_gemm as awq_cuda  # noqa: E402
+from compile_backend.ops import AWQ_SHIFTS  # noqa: E402
+from compile_backend.quantize import awq_pack  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+GROUPS = (32, 64, 128, -1)  # -1: per-channel (group = K)
+M_ALL = (1, 2, 3, 7, 8, 15, 16, 17, 31, 32, 64, 100, 256, 1024, 4096)
+LLAMA = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
+
+
+def make_awq(K, N, group, dtype, gen):
+    """Random AWQ weights with extremes: zeros include 0 and 15, scales span ~2 decades."""
+    G = K if group == -1 else group
+    q = torch.randint(0, 16, (K, N), generator=gen, device=DEV, dtype=torch.int32)
+    z = torch.randint(0, 16, (K // G, N), generator=gen, device=DEV, dtype=torch.int32)
+    z[0, : min(N, 8)] = 0
+    z[-1, -min(N, 8):] = 15
+    s = torch.rand((K // G, N), generator=gen, device=DEV, dtype=torch.float32) * 2e-3 + 1e-4
+    s[0, ::7] = 1e-4  # small extreme
+    s[-1, 3::11] = 4e-3  # large extreme
+    s = s.to(dtype)
+    return awq_pack(q), s, awq_pack(z), G, q, z
+
+
+def make_x(M, K, dtype, gen):
+    x = torch.randn((M, K), generator=gen, device=DEV, dtype=torch.float32) * 100
+    # a few activations near the top of fp16's range
+    idx = torch.randint(0, M * K, (max(1, M * K // 4096),), generator=gen, device=DEV)
+    x.view(-1)[idx] = 30000.0 * torch.sign(torch.randn(idx.shape, generator=gen, device=DEV))
+    return x.to(dtype)
+
+
+def reference64(x, q, z, s, G, bias=None):
+    """float64 of x @ W with W = (q - z) * s rounded once to the activation dtype (what
+    both the op's reference and the kernels compute), and the per-element error scale."""
+    zz = z.repeat_interleave(G, dim=0)
+    ss = s.repeat_interleave(G, dim=0)
+    w = ((q - zz).to(s.dtype) * ss).to(torch.float64)
+    x64 = x.to(torch.float64)
+    ref = x64 @ w
+    mag = x64.abs() @ w.abs()
+    if bias is not None:
+        ref = ref + bias.to(torch.float64)
+        mag = mag + bias.to(torch.float64).abs()
+    return ref, mag
+
+
+def poison(numel, dtype):
+    """Fill the caching allocator's next block of this size with NaN."""
+    t = torch.full((numel,), float("nan"), dtype=dtype, device=DEV)
+    del t
+
+
+def check_close(out, ref, mag, dtype, what):
+    assert out.shape == ref.shape, what
+    M = out.shape[0]
+    o = out.to(torch.float64)
+    assert torch.isfinite(o).all(), f"{what}: non-finite (unwritten or overflow) outputs"
+    eps = 2.0**-10 if dtype == torch.float16 else 2.0**-7
+    # one rounding of the output + fp32 accumulation; the dequantize + cuBLAS path (large M)
+    # may reduce split-K partials in the activation dtype (torch's default allows it)
+    acc = 1e-4 if M <= awq_cuda.KERNEL_MAX_M else eps / 2
+    bound = eps * ref.abs() + acc * mag + 1e-6
+    err = (o - ref).abs()
+    bad = err > bound
+    assert not bad.any(), (
+        f"{what}: {int(bad.sum())} elements out of bounds; worst err {err.max().item():.3g} "
+        f"at {divmod(int(err.argmax()), ref.shape[1])}"
+    )
+    rel = (torch.linalg.norm(o - ref) / torch.linalg.norm(ref)).item()
+    assert rel < (2e-3 if dtype == torch.float16 else 8e-3), f"{what}: relative error {rel:.3g}"
+
+
+def run_case(M, N, K, group, dtype, seed, bias=False):
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    qw, s, qz, G, q, z = make_awq(K, N, group, dtype, gen)
+    x = make_x(M, K, dtype, gen)
+    b = (torch.randn(N, generator=gen, device=DEV) * 10).to(dtype) if bias else None
+    poison(M * N, dtype)
+    out = torch.ops.quantfuse.awq_gemm(x, qw, s, qz, G, b)
+    torch.cuda.synchronize()
+    ref, mag = reference64(x, q, z, s, G, b)
+    check_close(out, ref, mag, dtype, f"M={M} N={N} K={K} G={G} {dtype} bias={bias}")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    assert kernels.ensure_loaded(), f"extension failed to build: {kernels.status()}"
+    yield
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("M", M_ALL)
+def test_small_shape_all_groups(M, dtype):
+    for i, group in enumerate(GROUPS):
+        run_case(M, 320, 512, group, dtype, seed=1000 * M + i, bias=(i % 2 == 1))
+
+
+@pytest.mark.parametrize("N,K", LLAMA)
+@pytest.mark.parametrize("M", (1, 8, 16, 31, 64, 100, 256, 1024))
+def test_llama_shapes(M, N, K):
+    i = M + N // 64
+    dtype = (torch.float16, torch.bfloat16)[i % 2]
+    group = GROUPS[i % 4]
+    run_case(M, N, K, group, dtype, seed=i, bias=(i % 3 == 0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_llama_m4096(dtype):
+    run_case(4096, 4096, 4096, 128, dtype, seed=7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("group", GROUPS)
+def test_dequantize_exact(dtype, group):
+    gen = torch.Generator(device=DEV).manual_seed(group + 77)
+    K, N = 1024, 6144
+    qw, s, qz, G, q, z = make_awq(K, N, group, dtype, gen)
+    poison(K * N, dtype)
+    out = torch.ops.quantfuse.awq_dequantize(qw, s, qz, G)
+    expect = (q - z.repeat_interleave(G, dim=0)).to(dtype) * s.repeat_interleave(G, dim=0)
+    assert torch.equal(out, expect)
+
+
+def test_dispatches_to_kernels():
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    qw, s, qz, G, q, z = make_awq(1024, 512, 128, torch.float16, gen)
+    x = make_x(4, 1024, torch.float16, gen)
+    xl = make_x(awq_cuda.KERNEL_MAX_M + 1, 1024, torch.float16, gen)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        torch.ops.quantfuse.awq_gemm(x, qw, s, qz, G)
+        torch.ops.quantfuse.awq_gemm(xl, qw, s, qz, G)
+        torch.ops.quantfuse.awq_dequantize(qw, s, qz, G)
+        torch.cuda.synchronize()
+    names = " ".join(e.name for e in prof.events())
+    assert kernels.status()["status"] == "loaded"
+    assert "awq_gemm_kernel" in names, names[:2000]
+    assert "awq_dequantize_kernel" in names, names[:2000]
+
+
+def test_repack_cached_and_invalidated():
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    qw, s, qz, G, q, z = make_awq(512, 256, 64, torch.bfloat16, gen)
+    x = make_x(2, 512, torch.bfloat16, gen)
+    before = dict(awq_cuda.stats)
+    torch.ops.quantfuse.awq_gemm(x, qw, s, qz, G)
+    torch.ops.quantfuse.awq_gemm(x, qw, s, qz, G)
+    assert awq_cuda.stats["repacks"] == before["repacks"] + 1
+    assert awq_cuda.stats["hits"] >= before["hits"] + 1
+    # modify the weight in place: the cache must notice
+    q2 = torch.randint(0, 16, q.shape, generator=gen, device=DEV, dtype=torch.int32)
+    qw.copy_(awq_pack(q2))
+    out = torch.ops.quantfuse.awq_gemm(x, qw, s, qz, G)
+    ref, mag = reference64(x, q2, z, s, G)
+    check_close(out, ref, mag, torch.bfloat16, "after in-place update")
+
+
+@pytest.mark.parametrize("M", (1, 16, 100))
+def test_cuda_graph_replay(M):
+    gen = torch.Generator(device=DEV).manual_seed(11 + M)
+    N, K = 1024, 2048
+    qw, s, qz, G, q, z = make_awq(K, N, 128, torch.float16, gen)
+    b = torch.randn(N, generator=gen, device=DEV).half()
+    x = make_x(M, K, torch.float16, gen)
+    torch.ops.quantfuse.awq_gemm(x, qw, s, qz, G, b)  # warm-up: build, repack cache
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        torch.ops.quantfuse.awq_gemm(x, qw, s, qz, G, b)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = torch.ops.quantfuse.awq_gemm(x, qw, s, qz, G, b)
+    for i in range(3):
+        x.copy_(make_x(M, K, torch.float16, gen))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref, mag = reference64(x, q, z, s, G, b)
+        check_close(out, ref, mag, torch.float16, f"graph replay {i} M={M}")
+
+
+def test_fallback_unsupported_n(caplog):
+    gen = torch.Generator(device=DEV).manual_seed(13)
+    K, N = 256, 40  # N not a multiple of 64
+    qw, s, qz, G, q, z = make_awq(K, N, 64, torch.float16, gen)
+    x = make_x(3, K, torch.float16, gen)
+    with caplog.at_level(logging.DEBUG, logger="compile_backend.kernels"):
+        out = torch.ops.quantfuse.awq_gemm(x, qw, s, qz, G)
+    assert "not a multiple of 64" in caplog.text
+    ref, mag = reference64(x, q, z, s, G)
+    check_close(out, ref, mag, torch.float16, "fallback")
+
+
+def test_noncontiguous_x_and_empty():
+    gen = torch.Generator(device=DEV).manual_seed(17)
+    qw, s, qz, G, q, z = make_awq(512, 128, 32, torch.float16, gen)
+    xb = make_x(5, 1024, torch.float16, gen)
+    x = xb[:, ::2]  # strided view
+    out = torch.ops.quantfuse.awq_gemm(x, qw, s, qz, G)
+    ref, mag = reference64(x, q, z, s, G)
+    check_close(out, ref, mag, torch.float16, "strided x")
+    empty = torch.ops.quantfuse.awq_gemm(xb[:0, :512], qw, s, qz, G)
+    assert empty.shape == (0, 128)
+
+
+def test_unpack_matches_shifts():
+    # the tests' packer and the op's bit order agree (guards the fixtures above)
+    v = torch.arange(16, device=DEV, dtype=torch.int32).repeat(1, 1)[:, :8].repeat(2, 1)
+    packed = awq_pack(v)
+    for i, sh in enumerate(AWQ_SHIFTS):
+        assert int((packed[0, 0] >> sh) & 0xF) == i
