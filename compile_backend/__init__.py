@@ -9,6 +9,7 @@ from . import (  # noqa: F401  (cuda, ops: imported for their registrations)
     backend,
     cuda,  # registers the CUDA kernel families (no build until first CUDA call)
     ops,  # registers torch.ops.quantfuse.*
+    weight_cache,  # registers torch.ops.quantfuse.weight_colsum
 )
 from .backend import quantfuse
 from .explain import explain

@@ -1,0 +1,87 @@
+"""Weight-side precomputation that must happen once per weight, never per call.
+
+``quantfuse::weight_colsum(Tensor weight) -> Tensor``: for an int8 weight
+``[N, K]`` (nn.Linear layout), the column sums ``1ᵀb`` of ``b = weight.t()``
+(``[K, N]``, the operand ``scaled_mm_azp`` takes), as int32 ``[N]``: the
+``azp_adj`` term of DESIGN.md.  It takes the weight itself rather than ``b`` so
+that the argument is the module's buffer (the same tensor object every call),
+not a transposed view made anew per call.  The pass for asymmetric activations
+puts it in the graph next to the weight:
+
+* under ``freezing`` the weight is a constant and Inductor constant-folds the
+  op away: the sums are computed once, at compile time;
+* otherwise the implementation caches the sums per weight: keyed by the
+  weight's storage, offset, shape, strides, dtype and device, and validated by
+  the storage's version counter (any in-place write to the weight bumps it) and
+  a weak reference (a freed weight whose memory is reused never hits).  A call
+  with an unchanged weight only copies the cached ``[N]`` vector: the op is
+  functional, so it hands out a fresh tensor that the compiled graph may
+  reuse or overwrite without corrupting the cache.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+
+_lib = torch.library.Library("quantfuse", "FRAGMENT")
+_lib.define("weight_colsum(Tensor weight) -> Tensor")
+
+_cache: dict[tuple, tuple] = {}
+_lock = threading.Lock()
+# How many times the column sums were computed (not served from the cache); tests read it.
+stats = {"computed": 0, "hits": 0}
+
+
+def _key(b: torch.Tensor) -> tuple:
+    return (b.untyped_storage().data_ptr(), b.storage_offset(), tuple(b.shape), tuple(b.stride()),
+            b.dtype, str(b.device))
+
+
+def _check(w: torch.Tensor) -> None:
+    if w.dtype != torch.int8 or w.dim() != 2:
+        raise ValueError(f"quantfuse.weight_colsum: argument 'weight' has shape {tuple(w.shape)}, dtype {w.dtype}; "
+                         "expected a 2-D int8 tensor [N, K]")
+
+
+def colsum(weight: torch.Tensor) -> torch.Tensor:
+    """Uncached: column sums of ``weight.t()``, int32 ``[N]`` (exact: |sum| <= 128 K)."""
+    return weight.to(torch.int32).sum(dim=1, dtype=torch.int32)
+
+
+def _weight_colsum(b: torch.Tensor) -> torch.Tensor:
+    _check(b)
+    if torch.compiler.is_compiling() or b.requires_grad or getattr(b, "_is_fake", False):
+        return colsum(b)
+    key = _key(b)
+    with _lock:
+        entry = _cache.get(key)
+        if entry is not None:
+            ref, version, sums = entry
+            if ref() is not None and version == b._version:
+                stats["hits"] += 1
+                return sums.clone()
+        sums = colsum(b)
+        stats["computed"] += 1
+        ref = weakref.ref(b, lambda _r, k=key: _cache.pop(k, None))
+        _cache[key] = (ref, b._version, sums)
+        return sums.clone()
+
+
+def _weight_colsum_fake(b: torch.Tensor) -> torch.Tensor:
+    _check(b)
+    return b.new_empty((b.shape[0],), dtype=torch.int32)
+
+
+_lib.impl("weight_colsum", _weight_colsum, "CompositeExplicitAutograd")
+torch.library.register_fake("quantfuse::weight_colsum", _weight_colsum_fake, lib=_lib)
+
+weight_colsum = torch.ops.quantfuse.weight_colsum
+
+
+def clear_cache() -> None:
+    with _lock:
+        _cache.clear()
+        stats.update(computed=0, hits=0)
