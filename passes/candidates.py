@@ -1,10 +1,83 @@
-"""Finds matmuls left in a graph whose inputs look quantized, for the report."""
+"""Finds matmuls left in a graph whose inputs look quantized, for the report.
+
+Runs after our patterns in the last slot that holds any.  A matmul (``mm``,
+``addmm``, ``bmm``, ``baddbmm``, ``_int_mm``, ``matmul``, ``linear``) is a
+candidate when one of its operands traces back, through element-wise and
+layout ops, to an int8 / uint8 / float8 tensor, an int32 tensor that is
+unpacked with shifts or masks (packed int4), or the int32 result of
+``_int_mm``.  Each candidate is reported with the reason a pattern's check
+remembered on the node (``report.note_reason``), or, when no pattern matched
+its structure at all, with what its inputs look like.
+"""
 
 from __future__ import annotations
 
 import torch
 
+from . import report
 
-def report_unfused(graph: torch.fx.Graph) -> None:
-    """Placeholder until the candidate scanner lands: reports nothing."""
+aten = torch.ops.aten
+
+MATMULS = {
+    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten._int_mm.default,
+    aten.matmul.default, aten.linear.default,
+}
+QUANT_DTYPES = {torch.int8, torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2}
+_UNPACK = {
+    aten.bitwise_right_shift.Tensor, aten.bitwise_right_shift.Tensor_Scalar, aten.bitwise_and.Tensor,
+    aten.bitwise_and.Scalar, aten.__rshift__.Scalar, aten.__rshift__.Tensor, aten.__and__.Scalar,
+    aten.__and__.Tensor,
+}
+# How far back (in nodes) an operand is followed.
+MAX_DEPTH = 12
+
+
+def _dtype(node):
+    v = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return v.dtype if isinstance(v, torch.Tensor) else None
+
+
+def quantized_source(node, depth: int = MAX_DEPTH, seen=None) -> str | None:
+    """A description of the quantized-looking tensor ``node`` derives from, or None."""
+    seen = set() if seen is None else seen
+    if not isinstance(node, torch.fx.Node) or depth < 0 or node in seen:
+        return None
+    seen.add(node)
+    dtype = _dtype(node)
+    if dtype in QUANT_DTYPES:
+        return f"{node.name} ({str(dtype).replace('torch.', '')})"
+    if node.op == "call_function":
+        if node.target is aten._int_mm.default:
+            return f"{node.name} (int32 from _int_mm)"
+        if node.target in _UNPACK and dtype in (torch.int32, torch.int64):
+            return f"{node.name} (packed int4 unpacked with shifts/masks)"
+        for arg in node.all_input_nodes:
+            found = quantized_source(arg, depth - 1, seen)
+            if found is not None:
+                return found
     return None
+
+
+def report_unfused(graph: torch.fx.Graph) -> list[tuple[str, str]]:
+    """Record every matmul still in ``graph`` whose inputs look quantized; returns (node, reason) pairs."""
+    found = []
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target not in MATMULS:
+            continue
+        if node.target is aten._int_mm.default:
+            source = f"{node.name} itself (int8 x int8 -> int32)"
+        else:
+            operands = node.args[1:3] if node.target in (aten.addmm.default, aten.baddbmm.default) else node.args[:2]
+            source = next((s for s in (quantized_source(a) for a in operands) if s is not None), None)
+        if source is None:
+            continue
+        reasons = report.noted_reasons(node)
+        if reasons:
+            reason = "; ".join(reasons)
+        else:
+            reason = (f"no quantfuse pattern matches this form (quantized input: {source}); "
+                      "runs unfused under Inductor")
+        target = getattr(node.target, "__name__", str(node.target))
+        report.record_unfused(node.name, target, reason)
+        found.append((node.name, reason))
+    return found

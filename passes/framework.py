@@ -56,7 +56,14 @@ def patterns_for(families: tuple[str, ...]) -> dict[str, PatternMatcherPass]:
 
 
 class QuantfuseGraphPass(CustomGraphPass):
-    """Applies the registered patterns of one slot to a graph, to a fixed point."""
+    """Applies the registered patterns of one slot to a graph, to a fixed point.
+
+    The pass of the first slot that runs on a graph also reports the unfused
+    candidates left in it (``candidates.report_unfused``): the joint slot when
+    Inductor runs joint passes (it sees the weight chains before ``freezing``
+    folds them), else the post-grad slot.  It marks the graph module so that a
+    later slot does not report the same matmuls again.
+    """
 
     def __init__(self, slot: str, families: tuple[str, ...]):
         self.slot, self.families = slot, families
@@ -66,17 +73,29 @@ class QuantfuseGraphPass(CustomGraphPass):
         while patterns.apply(graph):
             pass
         graph.eliminate_dead_code()
-        if self.slot == SLOTS[-1]:
+        owner = graph.owning_module
+        meta = owner.meta if owner is not None else {}
+        if not meta.get(_REPORTED):
             from .candidates import report_unfused
 
             report_unfused(graph)
+            meta[_REPORTED] = True
 
     def uuid(self):
         return (self.slot, self.families, get_hash_for_files(_source_files()).hex())
 
 
+_REPORTED = "quantfuse_candidates_reported"
+
+
 def make_graph_passes(options: dict | None = None) -> dict[str, CustomGraphPass]:
-    """Inductor slot name -> our pass for it, for the families ``options['families']`` names."""
+    """Inductor slot name -> our pass for it, for the families ``options['families']`` names.
+
+    Only slots that hold patterns of those families get a pass (the joint slot
+    always does: it reports the unfused candidates).
+    """
     options = options or {}
     families = tuple(options.get("families", FAMILIES))
-    return {slot: QuantfuseGraphPass(slot, families) for slot in SLOTS}
+    registered = patterns_for(families)
+    return {slot: QuantfuseGraphPass(slot, families) for slot in SLOTS
+            if registered[slot].patterns or slot == SLOTS[0]}

@@ -1,0 +1,145 @@
+"""Pattern family ``scaled_mm_azp``: asymmetric int8 activations into ``quantfuse::scaled_mm_azp``.
+
+Form 2c: ``((a.to(dt) - z_a) * s_a)`` [viewed to 2-D] and ``(w.to(dt) * s_b).t()``
+into ``mm`` / ``addmm`` (``F.linear``, ``x @ w.t()``, ``torch.mm``,
+``torch.matmul``), int8 only, with the same variants, checks and epilogue rules
+as ``scaled_mm`` (its pattern pieces are shared, generated from the same
+builders with ``zero_point=True``).  Slot: ``joint_custom_pre_pass``, for the
+reasons ``scaled_mm``'s docstring gives.
+
+The zero point must be per-tensor (one element: ``azp=None``,
+``azp_adj = z_a · colsum(b)``) or per-token (``[*lead, 1]``: ``azp`` int32
+``[M]``, ``azp_adj = colsum(b)``), and provably integer-valued: an integer
+tensor, a conversion from one, ``round(...)`` (possibly clamped by integer
+bounds) or an integral number.  A float zero point of unknown origin is left
+alone (the op takes int32 zero points; truncating a fractional one would be
+wrong).
+
+``colsum(b)`` comes from ``quantfuse::weight_colsum(weight)``
+(``compile_backend/weight_cache.py``): constant-folded under ``freezing``,
+otherwise served from a per-weight cache, so the column sums are computed once
+per weight, never per call.  For a per-tensor zero point the ``[N]`` product
+``z_a · colsum`` is per call (``z_a`` may be computed per call); it is a
+vector op Inductor fuses.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch._inductor.pattern_matcher import Match, PatternMatcherPass
+from torch.fx import Node
+
+import compile_backend.weight_cache  # noqa: F401  (registers quantfuse::weight_colsum)
+
+from .scaled_mm import (
+    SLOT,
+    OpSignature,
+    Plan,
+    Reject,
+    activation_scale_kind,
+    as_scale_vector,
+    bias_ok,
+    check_quantized_pair,
+    check_view,
+    dequant_matmul_patterns,
+    known,
+    register_checked,
+    register_epilogue_rules,
+    require,
+    shape_str,
+    val,
+    weight_scale_kind,
+)
+
+FAMILY = "scaled_mm_azp"
+SCALED_MM_AZP = OpSignature(torch.ops.quantfuse.scaled_mm_azp.default, FAMILY, out_dtype_index=4, bias_index=7)
+
+aten = torch.ops.aten
+_ROUNDING = (aten.round.default,)
+_CLAMPS = (aten.clamp_min.default, aten.clamp_max.default, aten.clamp.default)
+_PASS_THROUGH = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unsqueeze.default,
+                 aten.expand.default, aten.slice.Tensor)
+
+
+def is_integral(x, depth: int = 8) -> bool:
+    """Whether ``x`` (a node or number) is provably integer-valued."""
+    if isinstance(x, bool):
+        return False
+    if isinstance(x, int):
+        return True
+    if isinstance(x, float):
+        return x.is_integer()
+    if not isinstance(x, Node) or depth == 0:
+        return False
+    v = val(x)
+    if isinstance(v, torch.Tensor) and not v.dtype.is_floating_point and not v.dtype.is_complex:
+        return v.dtype != torch.bool
+    if x.target in _ROUNDING and not x.kwargs.get("decimals") and len(x.args) == 1:
+        return True
+    if x.target is torch.ops.prims.convert_element_type.default:
+        return is_integral(x.args[0], depth - 1)
+    if x.target in _CLAMPS:
+        bounds = [b for b in x.args[1:] if b is not None]
+        return all(is_integral(b, depth - 1) for b in bounds) and is_integral(x.args[0], depth - 1)
+    if x.target in _PASS_THROUGH:
+        return is_integral(x.args[0], depth - 1)
+    return False
+
+
+def zero_point_kind(z, a) -> str:
+    require(is_integral(z), "zero point is not provably integer-valued (expected an integer tensor, "
+                            "round(...) or an integral number)")
+    zv = val(z)
+    if not isinstance(zv, torch.Tensor) or known(zv.numel() == 1):
+        return "per-tensor"
+    ok = (zv.dim() == a.dim() and known(zv.shape[-1] == 1)
+          and all(known(zv.shape[i] == a.shape[i]) for i in range(a.dim() - 1)))
+    require(ok, f"zero point of shape {shape_str(zv)} is neither per-tensor nor per-token "
+                f"for an activation of shape {shape_str(a)}")
+    return "per-token"
+
+
+def plan_dequant_matmul_azp(match: Match, *, form: str, viewed: bool) -> Plan:
+    kw = match.kwargs
+    a, w = val(kw["a"]), val(kw["w"])
+    out_dtype = check_quantized_pair(a, w, kw["a_dt"], kw["w_dt"], zero_point=True)
+    sa_kind = activation_scale_kind(val(kw["scale_a"]), a)
+    sb_kind = weight_scale_kind(val(kw["scale_b"]), w)
+    z_kind = zero_point_kind(kw["azp"], a)
+    check_view(match, a, viewed)
+    bias = kw.get("bias")
+    if bias is not None:
+        require(bias_ok(val(bias), w.shape[0], out_dtype),
+                f"addmm input of shape {shape_str(val(bias))} is not a per-channel bias in {out_dtype}")
+
+    def build(a, w, scale_a, scale_b, azp, bias=None):
+        a2 = a.reshape(-1, a.shape[-1]) if viewed else a
+        colsum = torch.ops.quantfuse.weight_colsum(w)
+        if z_kind == "per-tensor":
+            z = azp.to(torch.int32).reshape(()) if isinstance(azp, torch.Tensor) else int(azp)
+            azp_adj, azp_vec = colsum * z, None
+        else:
+            azp_adj, azp_vec = colsum, azp.to(torch.int32).reshape(-1)
+        return torch.ops.quantfuse.scaled_mm_azp(
+            a2, w.t(), as_scale_vector(scale_a, a), as_scale_vector(scale_b, a), out_dtype,
+            azp_adj, azp_vec, bias if bias is None or bias.dim() == 1 else bias.reshape(-1))
+
+    inputs = {"a": kw["a"], "w": kw["w"], "scale_a": kw["scale_a"], "scale_b": kw["scale_b"], "azp": kw["azp"]}
+    if bias is not None:
+        inputs["bias"] = bias
+    detail = f"int8 {sa_kind} x {sb_kind}, {z_kind} zero point, in {out_dtype}".replace("torch.", "")
+    return Plan(inputs, build, detail)
+
+
+def register(passes: dict[str, PatternMatcherPass]) -> None:
+    target = passes[SLOT]
+    for form, pattern in dequant_matmul_patterns(zero_point=True):
+        form = form.replace("dequant-", "dequant-azp-")
+        register_checked(pattern, target, FAMILY, form,
+                         functools.partial(plan_dequant_matmul_azp, form=form, viewed=form.endswith("-3d")))
+    register_epilogue_rules(target, SCALED_MM_AZP)
+
+
+__all__ = ["FAMILY", "Reject", "is_integral", "register", "zero_point_kind"]
