@@ -1,0 +1,200 @@
+"""Benchmark quantfuse.scaled_mm (CUTLASS SM90) against what a user runs today.
+
+For (N, K) in {(6144,4096), (4096,4096), (28672,4096), (4096,14336)} and M in
+{1,16,64,256,1024,4096,8192}: median time (triton.testing.do_bench, which flushes L2
+before every call, return_mode="median") of
+  * ours: int8 per-token x per-channel + bias, bf16 out (the issue's target case)
+  * ours azp: the same with per-token zero points (ScaledBiasAzpToken)
+  * ours fp8: float8_e4m3fn row-wise + bias, bf16 out
+  * bf16 cuBLAS  x @ w.t()
+  * torch._int_mm alone (int32 out; M < 17 padded to 17 rows, its minimum)
+  * _int_mm + scale/bias epilogue under Inductor (torch.compile default, dynamic shapes)
+  * torch._scaled_mm FP8 row-wise + bias
+Writes a markdown table (times, TOP/s, ratios), JSON and a PNG plot (TOP/s vs M, with the
+dense int8 peak 1979 TOP/s and the DRAM floor at the measured copy bandwidth).
+
+    python benchmarks/bench_scaled_mm.py --out DIR [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+NK = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
+MS = (1, 16, 64, 256, 1024, 4096, 8192)
+PEAK_TOPS = 1979.0
+
+
+def bench(fn):
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3  # µs
+
+
+def copy_bandwidth() -> float:
+    n = 1 << 30
+    x = torch.empty(n, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    t = bench(lambda: y.copy_(x))
+    return 2 * n / (t * 1e-6)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    from compile_backend import kernels, ops
+    import compile_backend.cuda  # noqa: F401
+
+    assert kernels.ensure_loaded(), kernels.status()
+    torch.manual_seed(0)
+    bw = copy_bandwidth()
+    gpu = torch.cuda.get_device_name()
+    print(f"GPU {gpu}, torch {torch.__version__}, copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+
+    def epilogue(a, b, sa, sb, bias):
+        return (torch._int_mm(a, b).float() * sa * sb + bias).to(torch.bfloat16)
+
+    inductor = torch.compile(epilogue, dynamic=True)
+
+    rows = []
+    nk_list = NK[:2] if args.quick else NK
+    m_list = (1, 16, 1024) if args.quick else MS
+    for N, K in nk_list:
+        w8 = torch.randint(-128, 128, (N, K), dtype=torch.int8, device="cuda")
+        b8 = w8.t()
+        wbf = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+        wf8 = (torch.randn(N, K, device="cuda") * 2).to(torch.float8_e4m3fn)
+        sb = torch.rand(N, device="cuda") * 1e-2 + 1e-3
+        bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+        colsum = b8.to(torch.int32).sum(0, dtype=torch.int32)
+        for M in m_list:
+            a8 = torch.randint(-128, 128, (M, K), dtype=torch.int8, device="cuda")
+            af8 = (torch.randn(M, K, device="cuda") * 2).to(torch.float8_e4m3fn)
+            abf = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            sa = torch.rand(M, device="cuda") * 1e-2 + 1e-3
+            azp = torch.randint(-50, 50, (M,), dtype=torch.int32, device="cuda")
+            Mp = max(M, 17)
+            a8p = torch.randint(-128, 128, (Mp, K), dtype=torch.int8, device="cuda")
+            sap = torch.rand(Mp, 1, device="cuda") * 1e-2
+            r = {"N": N, "K": K, "M": M}
+            r["ours"] = bench(lambda: ops.scaled_mm(a8, b8, sa, sb, torch.bfloat16, bias))
+            r["ours_azp"] = bench(lambda: ops.scaled_mm_azp(a8, b8, sa, sb, torch.bfloat16, colsum, azp, bias))
+            r["ours_fp8"] = bench(lambda: ops.scaled_mm(af8, wf8.t(), sa, sb, torch.bfloat16, bias))
+            r["cublas_bf16"] = bench(lambda: abf @ wbf.t())
+            r["int_mm"] = bench(lambda: torch._int_mm(a8p, b8))
+            inductor(a8p, b8, sap, sb, bias)
+            r["int_mm_inductor"] = bench(lambda: inductor(a8p, b8, sap, sb, bias))
+            try:
+                sa2, sb2 = sa.reshape(-1, 1), sb.reshape(1, -1)
+                torch._scaled_mm(af8, wf8.t(), scale_a=sa2, scale_b=sb2, bias=bias, out_dtype=torch.bfloat16)
+                r["scaled_mm_fp8"] = bench(lambda: torch._scaled_mm(
+                    af8, wf8.t(), scale_a=sa2, scale_b=sb2, bias=bias, out_dtype=torch.bfloat16))
+            except RuntimeError as exc:
+                print("torch._scaled_mm failed:", exc)
+                r["scaled_mm_fp8"] = float("nan")
+            ops_count = 2 * M * N * K
+            bytes_ = M * K + N * K + 2 * M * N
+            r["floor_us"] = max(bytes_ / bw, ops_count / (PEAK_TOPS * 1e12)) * 1e6
+            r["dram_frac"] = bytes_ / bw * 1e6 / r["ours"]
+            rows.append(r)
+            print(
+                f"N={N:5d} K={K:5d} M={M:5d}  ours {r['ours']:8.1f}  azp {r['ours_azp']:8.1f}  fp8 {r['ours_fp8']:8.1f}"
+                f"  bf16 {r['cublas_bf16']:8.1f}  int_mm {r['int_mm']:8.1f}  ind {r['int_mm_inductor']:8.1f}"
+                f"  _scaled_mm {r['scaled_mm_fp8']:8.1f}  floor {r['floor_us']:6.1f}",
+                flush=True,
+            )
+        del w8, b8, wbf, wf8
+
+    meta = {
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "date": datetime.date.today().isoformat(),
+        "copy_bandwidth_TBps": bw / 1e12,
+        "timer": "triton.testing.do_bench median (L2 flushed before each call), µs",
+    }
+    (out_dir / "bench_scaled_mm.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    md = render(meta, rows)
+    (out_dir / "results_scaled_mm.md").write_text(md)
+    print(md)
+    plot(meta, rows, bw, out_dir / "bench_scaled_mm.png")
+    return 0
+
+
+def tops(r, key):
+    return 2 * r["M"] * r["N"] * r["K"] / (r[key] * 1e-6) / 1e12
+
+
+def render(meta, rows) -> str:
+    cols = ("ours", "ours_azp", "ours_fp8", "cublas_bf16", "int_mm", "int_mm_inductor", "scaled_mm_fp8")
+    lines = [
+        "# quantfuse.scaled_mm (CUTLASS SM90) benchmark",
+        "",
+        f"GPU {meta['gpu']}, torch {meta['torch']}, {meta['date']}; measured copy bandwidth "
+        f"{meta['copy_bandwidth_TBps']:.2f} TB/s. {meta['timer']}. TOP/s in brackets.",
+        "ours = int8 per-token x per-channel + bias, bf16 out; ours_azp = same + per-token zero point;"
+        " ours_fp8 = fp8 row-wise + bias. `_int_mm` rows for M < 17 are run at M = 17 (its minimum).",
+        "",
+    ]
+    for N, K in dict.fromkeys((r["N"], r["K"]) for r in rows):
+        sub = [r for r in rows if (r["N"], r["K"]) == (N, K)]
+        lines += [f"## N={N}, K={K}", "", "| path | " + " | ".join(f"M={r['M']}" for r in sub) + " |",
+                  "|---|" + "---|" * len(sub)]
+        for c in cols:
+            lines.append(f"| {c} | " + " | ".join(f"{r[c]:.1f} ({tops(r, c):.0f})" for r in sub) + " |")
+        lines.append("| floor (DRAM or peak), µs | " + " | ".join(f"{r['floor_us']:.1f}" for r in sub) + " |")
+        ratio = lambda num, den: " | ".join(f"{r[num] / r[den]:.2f}" for r in sub)  # noqa: E731
+        lines.append("| ratio int_mm+Inductor / ours | " + ratio("int_mm_inductor", "ours") + " |")
+        lines.append("| ratio int_mm / ours | " + ratio("int_mm", "ours") + " |")
+        lines.append("| ratio _scaled_mm / ours_fp8 | " + ratio("scaled_mm_fp8", "ours_fp8") + " |")
+        lines.append("| ratio ours_azp / ours | " + ratio("ours_azp", "ours") + " |")
+        lines.append("| DRAM fraction (bytes/bw / ours) | " + " | ".join(f"{r['dram_frac']:.2f}" for r in sub) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(meta, rows, bw, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    shapes = list(dict.fromkeys((r["N"], r["K"]) for r in rows))
+    fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4.2), squeeze=False)
+    for ax, (N, K) in zip(axes[0], shapes):
+        sub = [r for r in rows if (r["N"], r["K"]) == (N, K)]
+        ms = [r["M"] for r in sub]
+        for key in ("ours", "ours_fp8", "int_mm", "int_mm_inductor", "scaled_mm_fp8", "cublas_bf16"):
+            ax.plot(ms, [tops(r, key) for r in sub], marker="o", label=key)
+        fine = [2 ** (i / 4) for i in range(0, 4 * 14)]
+        roof = [min(PEAK_TOPS, 2 * m * N * K / ((m * K + N * K + 2 * m * N) / bw) / 1e12) for m in fine]
+        ax.plot(fine, roof, "k--", label="min(peak 1979, DRAM floor)")
+        ax.axhline(PEAK_TOPS, color="gray", lw=0.5)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("M")
+        ax.set_ylabel("TOP/s")
+        ax.set_title(f"N={N} K={K}")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"{meta['gpu']}, torch {meta['torch']}, {meta['date']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

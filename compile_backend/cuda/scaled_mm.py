@@ -1,0 +1,116 @@
+"""CUDA dispatch for quantfuse.scaled_mm and quantfuse.scaled_mm_azp (csrc/scaled_mm/,
+csrc/scaled_mm_azp/): CUTLASS 3.x SM90 kernels with epilogue visitor trees.
+
+``supports`` returns None when the kernel can take the inputs, else the reason it
+cannot (``kernels.try_cuda`` then logs it and runs the reference).  It never raises:
+malformed inputs are left to the reference implementation, which names the argument.
+``launch`` makes the small operands (scales, bias, zero points) contiguous, aligned
+and on the device, then calls the C++ op ``quantfuse._scaled_mm_cutlass``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import kernels
+
+_INPUT_DTYPES = (torch.int8, torch.float8_e4m3fn)
+_OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_capability_cache: dict[int, tuple[int, int]] = {}
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    cap = _capability_cache.get(index)
+    if cap is None:
+        cap = _capability_cache[index] = torch.cuda.get_device_capability(index)
+    return cap
+
+
+def _aligned(t: torch.Tensor, nbytes: int = 16) -> bool:
+    return t.data_ptr() % nbytes == 0
+
+
+def _common(a, b, scale_a, scale_b, out_dtype, bias) -> str | None:
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return "a and b must be tensors"
+    if not a.is_cuda or not b.is_cuda or a.device != b.device:
+        return "a and b must be on one CUDA device"
+    if a.dtype not in _INPUT_DTYPES or b.dtype != a.dtype:
+        return f"input dtypes {a.dtype}/{b.dtype} not int8 or float8_e4m3fn"
+    if out_dtype not in _OUT_DTYPES:
+        return f"out_dtype {out_dtype} not float16/bfloat16/float32"
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        return "shapes are not [M, K] x [K, N]"
+    M, K = a.shape
+    N = b.shape[1]
+    if M == 0 or N == 0 or K == 0:
+        return "empty problem"
+    if M >= 2**31 or N >= 2**31 or K >= 2**31:
+        return "dimension too large for int32 problem shapes"
+    if K % 16 or N % 16:
+        return f"K={K} and N={N} must be multiples of 16 (16-byte TMA alignment)"
+    cap = _capability(a.device)
+    if cap != (9, 0):
+        return f"compute capability {cap}: only the SM90 (Hopper) kernels are built; SM80 kernels not written yet"
+    if a.stride(1) != 1 or (M > 1 and (a.stride(0) < K or a.stride(0) % 16)) or not _aligned(a):
+        return f"a (strides {a.stride()}) must be row-major with a 16-byte aligned start and row pitch"
+    if b.stride(0) != 1 or b.stride(1) < K or b.stride(1) % 16 or not _aligned(b):
+        return f"b (strides {b.stride()}) must be column-major ([N, K] weight transposed) with 16-byte alignment"
+    for name, s, n in (("scale_a", scale_a, M), ("scale_b", scale_b, N)):
+        if not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or s.numel() not in (1, n):
+            return f"{name} must be float32 with 1 or {n} elements"
+    if bias is not None and (
+        not isinstance(bias, torch.Tensor) or bias.dtype != out_dtype or bias.dim() != 1 or bias.shape[0] != N
+    ):
+        return "bias must be [N] in out_dtype"
+    return None
+
+
+def supports(a, b, scale_a, scale_b, out_dtype, bias=None) -> str | None:
+    return _common(a, b, scale_a, scale_b, out_dtype, bias)
+
+
+def supports_azp(a, b, scale_a, scale_b, out_dtype, azp_adj, azp=None, bias=None) -> str | None:
+    reason = _common(a, b, scale_a, scale_b, out_dtype, bias)
+    if reason is not None:
+        return reason
+    if a.dtype != torch.int8:
+        return "zero points apply to int8 activations only"
+    N = b.shape[1]
+    if not isinstance(azp_adj, torch.Tensor) or azp_adj.dtype != torch.int32 or azp_adj.numel() != N:
+        return "azp_adj must be int32 with N elements"
+    if azp is not None and (not isinstance(azp, torch.Tensor) or azp.dtype != torch.int32 or azp.numel() != a.shape[0]):
+        return "azp must be int32 with M elements"
+    return None
+
+
+def _prep(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    """Flat, contiguous, 16-byte aligned, on ``device`` (copies only when needed)."""
+    if t is None:
+        return None
+    t = t.reshape(-1)
+    if t.device != device:
+        t = t.to(device)
+    if not t.is_contiguous() or not _aligned(t):
+        t = t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
+def launch(a, b, scale_a, scale_b, out_dtype, bias=None, *, arch: int = 0, config: int = -1):
+    d = a.device
+    return torch.ops.quantfuse._scaled_mm_cutlass(
+        a, b, _prep(scale_a, d), _prep(scale_b, d), out_dtype, _prep(bias, d), None, None, arch, config
+    )
+
+
+def launch_azp(a, b, scale_a, scale_b, out_dtype, azp_adj, azp=None, bias=None, *, arch: int = 0, config: int = -1):
+    d = a.device
+    return torch.ops.quantfuse._scaled_mm_cutlass(
+        a, b, _prep(scale_a, d), _prep(scale_b, d), out_dtype, _prep(bias, d), _prep(azp_adj, d), _prep(azp, d),
+        arch, config,
+    )
+
+
+kernels.register("scaled_mm", supports, launch)
+kernels.register("scaled_mm_azp", supports_azp, launch_azp)

@@ -1,0 +1,175 @@
+// CUTLASS 3.x SM90 GEMM assembly for the W8A8 family: TMA + wgmma warp-specialized
+// mainloops from the collective builders, EVT epilogues (epilogue_sm90.cuh), and the
+// M/N-based choice of tile configuration.  Included only by the per-dtype .cu files.
+#pragma once
+
+// Device asserts become calls (__assertfail) that make ptxas serialise the wgmma
+// pipeline (warning C7510); the kernels are built without them.
+#ifndef NDEBUG
+#define NDEBUG
+#endif
+
+#include <cuda_runtime.h>
+
+#include "cutlass/cutlass.h"
+#include "cute/tensor.hpp"
+#include "cutlass/numeric_types.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/util/packed_stride.hpp"
+
+#include "scaled_mm/epilogue_sm90.cuh"
+#include "scaled_mm/scaled_mm_launch.h"
+
+namespace quantfuse::sm90 {
+
+using namespace cute;
+
+// The sm_80 device pass (CI compiles every file for sm_90a and sm_80) must not
+// instantiate the Hopper mainloop: the kernel body exists only for sm_90a.
+template <class Kernel>
+struct EnableSm90Only : Kernel {
+  template <class... Args>
+  CUTLASS_DEVICE void operator()(Args&&... args) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    Kernel::operator()(std::forward<Args>(args)...);
+#endif
+  }
+};
+
+// ---------------------------------------------------------------------- tile configs
+// 0: decode / small M (M <= 64): 64x32x256 tiles, one consumer warpgroup, 4 stages so
+//    that two CTAs fit on an SM; many CTAs along N to stream the weight at DRAM speed.
+struct ConfigSmall {
+  using Tile = Shape<_64, _32, _256>;
+  using Cluster = Shape<_1, _1, _1>;
+  using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecialized;
+  using EpiSchedule = cutlass::epilogue::TmaWarpSpecialized;
+  static constexpr int kStages = 4;
+};
+// 1: medium M (64 < M <= 256): 64x128x128 ping-pong (two consumer warpgroups alternate
+//    tiles so one's epilogue overlaps the other's mainloop), cluster 2x1.
+struct ConfigMedium {
+  using Tile = Shape<_64, _128, _128>;
+  using Cluster = Shape<_2, _1, _1>;
+  using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
+  using EpiSchedule = cutlass::epilogue::TmaWarpSpecialized;
+  static constexpr int kStages = 0;  // auto
+};
+// 2: large M: 128x128x128 ping-pong, cluster 2x1 (A/B multicast within the cluster).
+struct ConfigLarge {
+  using Tile = Shape<_128, _128, _128>;
+  using Cluster = Shape<_2, _1, _1>;
+  using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
+  using EpiSchedule = cutlass::epilogue::TmaWarpSpecialized;
+  static constexpr int kStages = 0;
+};
+
+inline int choose_config(int64_t M, int64_t /*N*/) {
+  if (M <= 64) return 0;
+  if (M <= 256) return 1;
+  return 2;
+}
+
+template <class ElementAB, class ElementD, template <class, class> class Epi, class Config>
+struct Sm90Gemm {
+  using ElementAcc = std::conditional_t<std::is_same_v<ElementAB, int8_t>, int32_t, float>;
+  using Tile = typename Config::Tile;
+  using Cluster = typename Config::Cluster;
+  using Epilogue = Epi<Tile, ElementD>;
+  using EVT = typename Epilogue::EVT;
+
+  static constexpr int kAlignAB = 16;  // elements (1 byte each): 16-byte TMA alignment
+  static constexpr int kAlignD = 16 / sizeof(ElementD);
+
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
+      cutlass::epilogue::collective::EpilogueTileAuto, ElementAcc, float,
+      void, cutlass::layout::RowMajor, kAlignD,       // no C operand: bias comes from the EVT
+      ElementD, cutlass::layout::RowMajor, kAlignD,
+      typename Config::EpiSchedule, EVT>::CollectiveOp;
+
+  using Stages = std::conditional_t<
+      (Config::kStages > 0), cutlass::gemm::collective::StageCount<(Config::kStages > 0 ? Config::kStages : 1)>,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename CollectiveEpilogue::SharedStorage))>>;
+
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
+      ElementAB, cutlass::layout::RowMajor, kAlignAB,
+      ElementAB, cutlass::layout::ColumnMajor, kAlignAB,
+      ElementAcc, Tile, Cluster, Stages, typename Config::KernelSchedule>::CollectiveOp;
+
+  using KernelBase = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, CollectiveMainloop,
+                                                          CollectiveEpilogue>;
+  using Kernel = EnableSm90Only<KernelBase>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+
+  static int run(const ScaledMmParams& p) {
+    using StrideA = typename KernelBase::StrideA;
+    using StrideB = typename KernelBase::StrideB;
+    using StrideD = typename KernelBase::StrideD;
+    using StrideC = typename KernelBase::StrideC;
+    StrideA stride_a{};
+    get<0>(stride_a) = p.lda;  // (M, K, L): K contiguous
+    StrideB stride_b{};
+    get<0>(stride_b) = p.ldb;  // (N, K, L): K contiguous (b is column-major [K, N])
+    StrideD stride_d{};
+    get<0>(stride_d) = p.ldd;  // (M, N, L): N contiguous
+    StrideC stride_c = stride_d;
+
+    typename Gemm::Arguments args{
+        cutlass::gemm::GemmUniversalMode::kGemm,
+        {static_cast<int>(p.M), static_cast<int>(p.N), static_cast<int>(p.K), 1},
+        {static_cast<const ElementAB*>(p.a), stride_a, static_cast<const ElementAB*>(p.b), stride_b},
+        {Epilogue::args(p), nullptr, stride_c, static_cast<ElementD*>(p.d), stride_d}};
+    args.hw_info.device_id = p.device;
+    args.hw_info.sm_count = sm_count(p.device);
+
+    Gemm gemm;
+    if (gemm.can_implement(args) != cutlass::Status::kSuccess) return kQCannotImplement;
+    size_t ws_bytes = Gemm::get_workspace_size(args);
+    void* ws = nullptr;
+    if (ws_bytes > 0) {
+      if (p.alloc == nullptr) return kQInitFailed;
+      ws = p.alloc(ws_bytes, p.alloc_ctx);
+    }
+    auto stream = static_cast<cudaStream_t>(p.stream);
+    if (gemm.initialize(args, ws, stream) != cutlass::Status::kSuccess) return kQInitFailed;
+    if (gemm.run(stream) != cutlass::Status::kSuccess) return kQLaunchFailed;
+    return kQOk;
+  }
+
+  static int sm_count(int device) {
+    static int counts[64] = {0};
+    if (device < 0 || device >= 64) return 0;
+    if (counts[device] == 0) {
+      int c = 0;
+      cudaDeviceGetAttribute(&c, cudaDevAttrMultiProcessorCount, device);
+      counts[device] = c;
+    }
+    return counts[device];
+  }
+};
+
+template <class ElementAB, class ElementD, template <class, class> class Epi>
+int dispatch(const ScaledMmParams& p) {
+  int cfg = p.config >= 0 ? p.config : choose_config(p.M, p.N);
+  switch (cfg) {
+    case 0: return Sm90Gemm<ElementAB, ElementD, Epi, ConfigSmall>::run(p);
+    case 1: return Sm90Gemm<ElementAB, ElementD, Epi, ConfigMedium>::run(p);
+    case 2: return Sm90Gemm<ElementAB, ElementD, Epi, ConfigLarge>::run(p);
+    default: return kQUnsupported;
+  }
+}
+
+}  // namespace quantfuse::sm90
+
+// One entry point per (input dtype, output dtype, epilogue) translation unit.
+#define QF_SM90_ENTRY(name, ElementAB, ElementD, Epi)                                  \
+  namespace quantfuse {                                                                \
+  int name(const ScaledMmParams& p) { return sm90::dispatch<ElementAB, ElementD, sm90::Epi>(p); } \
+  }

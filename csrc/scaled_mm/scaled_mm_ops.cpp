@@ -1,0 +1,177 @@
+// Torch-facing side of the W8A8 CUTLASS kernels: tensor checks, current stream,
+// dispatch to the per-dtype launchers (plain C++, see scaled_mm_launch.h), and the
+// registration of the private op quantfuse::_scaled_mm_cutlass.  The public ops
+// quantfuse::scaled_mm / scaled_mm_azp are defined in Python (compile_backend/ops.py);
+// compile_backend/cuda/scaled_mm.py decides when this op may take an input.
+#include <torch/all.h>
+#include <torch/library.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <vector>
+
+#include "scaled_mm/scaled_mm_launch.h"
+
+namespace quantfuse {
+
+const char* status_string(int status) {
+  switch (status) {
+    case kQOk: return "ok";
+    case kQUnsupported: return "no kernel instantiated for this combination";
+    case kQCannotImplement: return "CUTLASS can_implement refused the arguments";
+    case kQInitFailed: return "CUTLASS initialize failed";
+    case kQLaunchFailed: return "CUTLASS kernel launch failed";
+    default: return "unknown status";
+  }
+}
+
+int scaled_mm_sm90(const ScaledMmParams& p) {
+  const bool i8 = p.in_dtype == QDType::kInt8;
+  const QDType o = p.out_dtype;
+#define QF_PICK(prefix)                                        \
+  switch (o) {                                                 \
+    case QDType::kF16: return prefix##_f16_bias(p);            \
+    case QDType::kBF16: return prefix##_bf16_bias(p);          \
+    case QDType::kF32: return prefix##_f32_bias(p);            \
+    default: return kQUnsupported;                             \
+  }
+  switch (p.epilogue) {
+    case QEpilogue::kScaled:  // bias-free ScaledBias (null bias broadcasts zero)
+    case QEpilogue::kScaledBias:
+      if (i8) { QF_PICK(sm90_i8) } else if (p.in_dtype == QDType::kFp8E4M3) { QF_PICK(sm90_fp8) }
+      return kQUnsupported;
+    case QEpilogue::kAzp:
+      if (!i8) return kQUnsupported;
+      switch (o) {
+        case QDType::kF16: return sm90_i8_f16_azp(p);
+        case QDType::kBF16: return sm90_i8_bf16_azp(p);
+        case QDType::kF32: return sm90_i8_f32_azp(p);
+        default: return kQUnsupported;
+      }
+    case QEpilogue::kAzpToken:
+      if (!i8) return kQUnsupported;
+      switch (o) {
+        case QDType::kF16: return sm90_i8_f16_azptok(p);
+        case QDType::kBF16: return sm90_i8_bf16_azptok(p);
+        case QDType::kF32: return sm90_i8_f32_azptok(p);
+        default: return kQUnsupported;
+      }
+  }
+#undef QF_PICK
+  return kQUnsupported;
+}
+
+namespace {
+
+QDType to_qdtype(at::ScalarType t) {
+  switch (t) {
+    case at::kChar: return QDType::kInt8;
+    case at::kFloat8_e4m3fn: return QDType::kFp8E4M3;
+    case at::kHalf: return QDType::kF16;
+    case at::kBFloat16: return QDType::kBF16;
+    case at::kFloat: return QDType::kF32;
+    default: TORCH_CHECK(false, "quantfuse._scaled_mm_cutlass: unsupported dtype ", t);
+  }
+}
+
+void* alloc_workspace(std::size_t bytes, void* ctx) {
+  auto* keep = static_cast<std::vector<at::Tensor>*>(ctx);
+  keep->push_back(at::empty({static_cast<int64_t>(bytes)},
+                            at::TensorOptions().dtype(at::kByte).device(at::kCUDA)));
+  return keep->back().data_ptr();
+}
+
+// arch: 0 = best for this GPU, 90 = the SM90 kernels (SM80 kernels: not yet written).
+// config: -1 = choose by M/N, else a tile configuration index (tests, benchmarks).
+at::Tensor scaled_mm_cutlass(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
+                             const at::Tensor& scale_b, at::ScalarType out_dtype,
+                             const std::optional<at::Tensor>& bias,
+                             const std::optional<at::Tensor>& azp_adj,
+                             const std::optional<at::Tensor>& azp, int64_t arch, int64_t config) {
+  TORCH_CHECK(a.is_cuda() && b.is_cuda(), "_scaled_mm_cutlass: CUDA tensors expected");
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(0), "_scaled_mm_cutlass: bad shapes");
+  TORCH_CHECK(a.scalar_type() == b.scalar_type(), "_scaled_mm_cutlass: a and b dtypes differ");
+  TORCH_CHECK(a.stride(1) == 1 && b.stride(0) == 1,
+              "_scaled_mm_cutlass: a must be row-major and b column-major");
+  TORCH_CHECK(scale_a.scalar_type() == at::kFloat && scale_b.scalar_type() == at::kFloat &&
+                  scale_a.is_contiguous() && scale_b.is_contiguous(),
+              "_scaled_mm_cutlass: contiguous float32 scales expected");
+  const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
+  TORCH_CHECK(scale_a.numel() == 1 || scale_a.numel() == M, "_scaled_mm_cutlass: scale_a size");
+  TORCH_CHECK(scale_b.numel() == 1 || scale_b.numel() == N, "_scaled_mm_cutlass: scale_b size");
+  c10::cuda::CUDAGuard guard(a.device());
+  at::Tensor out = at::empty({M, N}, a.options().dtype(out_dtype));
+  if (M == 0 || N == 0) return out;
+
+  ScaledMmParams p;
+  p.a = a.data_ptr();
+  p.b = b.data_ptr();
+  p.d = out.data_ptr();
+  p.M = M;
+  p.N = N;
+  p.K = K;
+  p.lda = a.stride(0);
+  p.ldb = b.stride(1);
+  p.ldd = out.stride(0);
+  p.scale_a = scale_a.data_ptr<float>();
+  p.scale_a_per_token = scale_a.numel() != 1;
+  p.scale_b = scale_b.data_ptr<float>();
+  p.scale_b_per_channel = scale_b.numel() != 1;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == out_dtype && bias->numel() == N && bias->is_contiguous(),
+                "_scaled_mm_cutlass: bias must be a contiguous [N] tensor in out_dtype");
+    p.bias = bias->data_ptr();
+  }
+  p.in_dtype = to_qdtype(a.scalar_type());
+  p.out_dtype = to_qdtype(out_dtype);
+  p.epilogue = bias.has_value() ? QEpilogue::kScaledBias : QEpilogue::kScaled;
+  if (azp_adj.has_value()) {
+    TORCH_CHECK(azp_adj->scalar_type() == at::kInt && azp_adj->numel() == N && azp_adj->is_contiguous(),
+                "_scaled_mm_cutlass: azp_adj must be contiguous int32 [N]");
+    p.azp_adj = azp_adj->data_ptr<int32_t>();
+    p.epilogue = QEpilogue::kAzp;
+    if (azp.has_value()) {
+      TORCH_CHECK(azp->scalar_type() == at::kInt && azp->numel() == M && azp->is_contiguous(),
+                  "_scaled_mm_cutlass: azp must be contiguous int32 [M]");
+      p.azp = azp->data_ptr<int32_t>();
+      p.epilogue = QEpilogue::kAzpToken;
+    }
+  } else {
+    TORCH_CHECK(!azp.has_value(), "_scaled_mm_cutlass: azp given without azp_adj");
+  }
+  p.config = static_cast<int>(config);
+  p.device = a.get_device();
+  p.stream = at::cuda::getCurrentCUDAStream(a.get_device()).stream();
+  std::vector<at::Tensor> keep;
+  p.alloc = &alloc_workspace;
+  p.alloc_ctx = &keep;
+
+  const auto* props = at::cuda::getCurrentDeviceProperties();
+  const int cc = props->major * 10 + props->minor;
+  if (arch == 0) arch = cc >= 90 && cc < 100 ? 90 : 80;
+  int status = kQUnsupported;
+  if (arch == 90) {
+    TORCH_CHECK(cc >= 90 && cc < 100, "_scaled_mm_cutlass: SM90 kernels need a Hopper GPU");
+    status = scaled_mm_sm90(p);
+  } else {
+    // The CUTLASS 2.x (SM80) kernels are not written yet; compile_backend/cuda/scaled_mm.py
+    // sends non-Hopper GPUs to the reference implementation.
+    TORCH_CHECK(false, "_scaled_mm_cutlass: only the SM90 kernels are built (arch ", arch, ")");
+  }
+  TORCH_CHECK(status == kQOk, "_scaled_mm_cutlass (arch ", arch, ", M=", M, " N=", N, " K=", K,
+              "): ", status_string(status));
+  return out;
+}
+
+}  // namespace
+}  // namespace quantfuse
+
+TORCH_LIBRARY_FRAGMENT(quantfuse, m) {
+  m.def(
+      "_scaled_mm_cutlass(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, ScalarType out_dtype, "
+      "Tensor? bias=None, Tensor? azp_adj=None, Tensor? azp=None, int arch=0, int config=-1) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(quantfuse, CUDA, m) {
+  m.impl("_scaled_mm_cutlass", &quantfuse::scaled_mm_cutlass);
+}

@@ -1,0 +1,303 @@
+"""GPU tests of the CUTLASS kernels behind quantfuse.scaled_mm / scaled_mm_azp.
+
+Skipped without CUDA.  Every epilogue x scale granularity x bias x output dtype x input
+dtype against a float64 reference on fresh random data, all tile configurations, the
+M sweep on LLM-sized (N, K), sliced / offset / unsupported layouts (fallback), CUDA-graph
+capture and replay, and the profiler's proof that the op runs a CUTLASS kernel.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+if torch.cuda.is_available():
+    from compile_backend import kernels, ops  # noqa: F401  (registers the ops)
+    import compile_backend.cuda  # noqa: F401  (registers the kernel families)
+    from compile_backend.cuda import scaled_mm as qsm
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+needs_hopper = pytest.mark.skipif(not HOPPER, reason="SM90 kernels need an H100-class GPU")
+
+M_ALL = (1, 2, 15, 16, 17, 33, 64, 100, 128, 256, 512, 4096)
+OUTS = (torch.float16, torch.bfloat16, torch.float32)
+INS = (torch.int8, torch.float8_e4m3fn)
+RTOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 2e-5}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _built():
+    if torch.cuda.is_available():
+        assert kernels.ensure_loaded(), kernels.status()
+    yield
+
+
+def rand_q(shape, dtype, gen=None):
+    if dtype == torch.int8:
+        return torch.randint(-128, 128, shape, dtype=torch.int8, device="cuda")
+    return (torch.randn(shape, device="cuda") * 3).clamp(-448, 448).to(dtype)
+
+
+def make_inputs(M, N, K, in_dtype, out_dtype, sa_tok, sb_ch, with_bias):
+    a = rand_q((M, K), in_dtype)
+    w = rand_q((N, K), in_dtype)  # row-major weight; b is its transpose (column-major)
+    b = w.t()
+    sa = (torch.rand(M if sa_tok else 1, device="cuda") + 0.5) * 1e-2
+    sb = (torch.rand(N if sb_ch else 1, device="cuda") + 0.5) * 1e-2
+    bias = torch.randn(N, device="cuda").to(out_dtype) if with_bias else None
+    return a, b, sa, sb, bias
+
+
+def exact_acc(a, b):
+    """a @ b accumulated exactly in float64 (int8: exact integers; fp8: exact products)."""
+    return torch.matmul(a.to(torch.float64), b.to(torch.float64))
+
+
+def ref_epilogue(acc64, sa, sb, out_dtype, bias):
+    out = acc64 * sb.double().reshape(1, -1) * sa.double().reshape(-1, 1)
+    if bias is not None:
+        out = out + bias.double()
+    return out
+
+
+def check(out, ref64, out_dtype, in_dtype=torch.int8):
+    assert out.dtype == out_dtype
+    assert out.shape == ref64.shape
+    o = out.double()
+    assert torch.isfinite(o).all(), "non-finite output (unwritten or overflow)"
+    rtol = RTOL[out_dtype] * (4 if in_dtype == torch.float8_e4m3fn and out_dtype == torch.float32 else 1)
+    err = (o - ref64).abs()
+    bound = rtol * ref64.abs() + rtol * 1e-2 * ref64.abs().max() + 1e-6
+    bad = err > bound
+    assert not bad.any(), (
+        f"{int(bad.sum())} of {bad.numel()} elements off; max err {err.max().item():.4g}, "
+        f"max |ref| {ref64.abs().max().item():.4g}"
+    )
+
+
+def poison(M, N, out_dtype):
+    """Fill the caching allocator's next block of this size with NaN, so that an output
+    the kernel fails to write shows up as NaN."""
+    t = torch.full((M, N), float("nan"), dtype=torch.float32 if out_dtype == torch.float32 else out_dtype,
+                   device="cuda")
+    del t
+
+
+def run_kernel(a, b, sa, sb, out_dtype, bias=None, azp_adj=None, azp=None, config=-1):
+    poison(a.shape[0], b.shape[1], out_dtype)
+    return torch.ops.quantfuse._scaled_mm_cutlass(a, b, sa, sb, out_dtype, bias, azp_adj, azp, 90, config)
+
+
+# ----------------------------------------------------------------------------- scaled_mm
+
+@needs_hopper
+@pytest.mark.parametrize("in_dtype", INS, ids=["int8", "fp8"])
+@pytest.mark.parametrize("out_dtype", OUTS, ids=["f16", "bf16", "f32"])
+def test_scaled_mm_epilogue_matrix(in_dtype, out_dtype):
+    """Scaled / ScaledBias x scale granularities, through the public op, M cycling."""
+    ms = itertools.cycle(M_ALL[:-1])
+    for sa_tok, sb_ch, with_bias in itertools.product((False, True), repeat=3):
+        M, N, K = next(ms), 272, 528
+        a, b, sa, sb, bias = make_inputs(M, N, K, in_dtype, out_dtype, sa_tok, sb_ch, with_bias)
+        assert qsm.supports(a, b, sa, sb, out_dtype, bias) is None
+        poison(M, N, out_dtype)
+        out = ops.scaled_mm(a, b, sa, sb, out_dtype, bias)
+        check(out, ref_epilogue(exact_acc(a, b), sa, sb, out_dtype, bias), out_dtype, in_dtype)
+
+
+@needs_hopper
+@pytest.mark.parametrize("config", (0, 1, 2))
+@pytest.mark.parametrize("in_dtype", INS, ids=["int8", "fp8"])
+def test_every_tile_config(config, in_dtype):
+    """Each tile configuration on M values it would not be chosen for (edge tiles)."""
+    for M, N, K in ((1, 64, 256), (17, 144, 272), (100, 400, 1040), (300, 528, 512)):
+        a, b, sa, sb, bias = make_inputs(M, N, K, in_dtype, torch.bfloat16, True, True, True)
+        out = run_kernel(a, b, sa, sb, torch.bfloat16, bias, config=config)
+        check(out, ref_epilogue(exact_acc(a, b), sa, sb, torch.bfloat16, bias), torch.bfloat16, in_dtype)
+
+
+LLM_NK = ((4096, 4096), (6144, 4096), (4096, 14336), (28672, 4096))
+
+
+@needs_hopper
+@pytest.mark.parametrize("M", M_ALL)
+def test_m_sweep_llm_shapes(M):
+    """int8 per-token x per-channel + bias, bf16 out, (N, K) of LLM layers (sampled per M)."""
+    i = M_ALL.index(M)
+    N, K = LLM_NK[i % len(LLM_NK)]
+    if M == 4096:
+        N, K = 4096, 4096  # keep the float64 reference affordable
+    in_dtype = torch.float8_e4m3fn if i % 3 == 2 else torch.int8
+    a, b, sa, sb, bias = make_inputs(M, N, K, in_dtype, torch.bfloat16, True, True, True)
+    poison(M, N, torch.bfloat16)
+    out = ops.scaled_mm(a, b, sa, sb, torch.bfloat16, bias)
+    if in_dtype == torch.int8 and M > 16:
+        acc = torch._int_mm(a, b).double()  # exact int32 accumulation, fast
+    else:
+        acc = exact_acc(a, b)
+    check(out, ref_epilogue(acc, sa, sb, torch.bfloat16, bias), torch.bfloat16, in_dtype)
+
+
+# ----------------------------------------------------------------------------- scaled_mm_azp
+
+@needs_hopper
+@pytest.mark.parametrize("out_dtype", OUTS, ids=["f16", "bf16", "f32"])
+@pytest.mark.parametrize("per_token_azp", (False, True), ids=["azp", "azp_token"])
+def test_scaled_mm_azp_matrix(out_dtype, per_token_azp):
+    ms = itertools.cycle(M_ALL[:-1][::-1])
+    for sa_tok, sb_ch, with_bias in itertools.product((False, True), repeat=3):
+        M, N, K = next(ms), 208, 400
+        a, b, sa, sb, bias = make_inputs(M, N, K, torch.int8, out_dtype, sa_tok, sb_ch, with_bias)
+        colsum = b.to(torch.int32).sum(0, dtype=torch.int32)
+        if per_token_azp:
+            azp = torch.randint(-60, 60, (M,), dtype=torch.int32, device="cuda")
+            azp_adj = colsum
+            acc = exact_acc(a, b) - azp.double().reshape(-1, 1) * colsum.double().reshape(1, -1)
+        else:
+            za = int(torch.randint(-60, 60, ()).item()) or 7
+            azp, azp_adj = None, (za * colsum).to(torch.int32)
+            acc = exact_acc(a, b) - azp_adj.double().reshape(1, -1)
+        assert qsm.supports_azp(a, b, sa, sb, out_dtype, azp_adj, azp, bias) is None
+        poison(M, N, out_dtype)
+        out = ops.scaled_mm_azp(a, b, sa, sb, out_dtype, azp_adj, azp, bias)
+        check(out, ref_epilogue(acc, sa, sb, out_dtype, bias), out_dtype)
+        # and against the op's own reference implementation
+        ref = ops.scaled_mm_azp_reference(a, b, sa, sb, out_dtype, azp_adj, azp, bias)
+        check(out, ref.double(), out_dtype)
+
+
+@needs_hopper
+@pytest.mark.parametrize("M", (1, 33, 512))
+def test_azp_llm_shape(M):
+    N, K = 4096, 4096
+    a, b, sa, sb, bias = make_inputs(M, N, K, torch.int8, torch.float16, True, True, True)
+    azp = torch.randint(-100, 100, (M,), dtype=torch.int32, device="cuda")
+    colsum = b.to(torch.int32).sum(0, dtype=torch.int32)
+    out = ops.scaled_mm_azp(a, b, sa, sb, torch.float16, colsum, azp, bias)
+    acc = exact_acc(a, b) - azp.double().reshape(-1, 1) * colsum.double().reshape(1, -1)
+    check(out, ref_epilogue(acc, sa, sb, torch.float16, bias), torch.float16)
+
+
+# ----------------------------------------------------------------------------- layouts, fallback
+
+@needs_hopper
+def test_sliced_and_offset_inputs():
+    M, N, K = 40, 256, 512
+    big_a = rand_q((M + 3, K + 64), torch.int8)
+    a = big_a[2 : 2 + M, 32 : 32 + K]  # row pitch K+64, start offset 16-byte aligned
+    big_w = rand_q((N + 5, K + 48), torch.int8)
+    b = big_w[3 : 3 + N, 16 : 16 + K].t()  # column-major with pitch K+48
+    sa_big = torch.rand(M + 1, device="cuda") + 0.5
+    sa = sa_big[1:]  # offset (unaligned) per-token scale: launch realigns it
+    sb = (torch.rand(2 * N, device="cuda") + 0.5)[::2]  # strided per-channel scale
+    bias = torch.randn(N + 1, device="cuda", dtype=torch.bfloat16)[1:]
+    assert qsm.supports(a, b, sa, sb, torch.bfloat16, bias) is None
+    out = ops.scaled_mm(a, b, sa, sb, torch.bfloat16, bias)
+    check(out, ref_epilogue(exact_acc(a, b), sa, sb, torch.bfloat16, bias), torch.bfloat16)
+
+
+@needs_hopper
+def test_unsupported_inputs_fall_back(caplog):
+    M, N, K = 8, 64, 128
+    a, b, sa, sb, bias = make_inputs(M, N, K, torch.int8, torch.float16, True, True, True)
+    cases = {
+        "b row-major": (a, b.contiguous()),
+        "a misaligned": (rand_q((M, K + 1), torch.int8)[:, 1:], b),
+        "K not multiple of 16": (a[:, :120], b[:120]),
+        "N not multiple of 16": (a, b[:, :56]),
+    }
+    for name, (aa, bb) in cases.items():
+        assert qsm.supports(aa, bb, sa, sb[: bb.shape[1]], torch.float16, bias[: bb.shape[1]]) is not None, name
+        with caplog.at_level(logging.DEBUG, logger="compile_backend.kernels"):
+            out = ops.scaled_mm(aa, bb, sa, sb[: bb.shape[1]], torch.float16, bias[: bb.shape[1]])
+        ref = ref_epilogue(exact_acc(aa, bb), sa, sb[: bb.shape[1]], torch.float16, bias[: bb.shape[1]])
+        check(out, ref, torch.float16)
+    assert "reference runs" in caplog.text
+    # malformed input still raises the op's error, not a kernel error
+    with pytest.raises(ops.QuantfuseInputError):
+        ops.scaled_mm(a, b, sa[:3], sb, torch.float16, bias)
+
+
+# ----------------------------------------------------------------------------- graphs, profiler
+
+@needs_hopper
+def test_cuda_graph_capture_and_replay():
+    M, N, K = 16, 512, 1024
+    a, b, sa, sb, bias = make_inputs(M, N, K, torch.int8, torch.bfloat16, True, True, True)
+    ops.scaled_mm(a, b, sa, sb, torch.bfloat16, bias)  # warm up outside the graph
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(g):
+            out = ops.scaled_mm(a, b, sa, sb, torch.bfloat16, bias)
+    torch.cuda.current_stream().wait_stream(s)
+    for _ in range(3):
+        a.copy_(rand_q((M, K), torch.int8))
+        sa.copy_(torch.rand(M, device="cuda") + 0.5)
+        g.replay()
+        torch.cuda.synchronize()
+        check(out, ref_epilogue(exact_acc(a, b), sa, sb, torch.bfloat16, bias), torch.bfloat16)
+
+
+def _kernel_names(fn):
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+@needs_hopper
+def test_op_runs_cutlass_kernel_eager_and_compiled():
+    M, N, K = 64, 1024, 1024
+    a, b, sa, sb, bias = make_inputs(M, N, K, torch.int8, torch.bfloat16, True, True, True)
+    names = _kernel_names(lambda: ops.scaled_mm(a, b, sa, sb, torch.bfloat16, bias))
+    assert any("cutlass" in n for n in names), names
+
+    def f(a, b, sa, sb, bias):
+        return torch.ops.quantfuse.scaled_mm(a, b, sa, sb, torch.bfloat16, bias) * 2
+
+    from compile_backend.backend import quantfuse
+
+    cf = torch.compile(f, backend=quantfuse, fullgraph=True)
+    out = cf(a, b, sa, sb, bias)
+    names = _kernel_names(lambda: cf(a, b, sa, sb, bias))
+    assert any("cutlass" in n for n in names), names
+    check(out, 2 * ref_epilogue(exact_acc(a, b), sa, sb, torch.bfloat16, bias), torch.bfloat16)
+
+
+def _sanitize_driver():
+    """A few shapes of every kernel family and tile config, for compute-sanitizer:
+    ``compute-sanitizer --tool memcheck python tests/test_cuda_scaled_mm.py``."""
+    assert kernels.ensure_loaded(), kernels.status()
+    shapes = ((1, 64, 256), (33, 144, 272), (130, 400, 512))
+    n = 0
+    for (M, N, K), config in itertools.product(shapes, (0, 1, 2)):
+        for in_dtype in INS:
+            a, b, sa, sb, bias = make_inputs(M, N, K, in_dtype, torch.bfloat16, True, True, True)
+            out = run_kernel(a, b, sa, sb, torch.bfloat16, bias, config=config)
+            check(out, ref_epilogue(exact_acc(a, b), sa, sb, torch.bfloat16, bias), torch.bfloat16, in_dtype)
+            n += 1
+        a, b, sa, sb, bias = make_inputs(M, N, K, torch.int8, torch.float16, False, True, False)
+        colsum = b.to(torch.int32).sum(0, dtype=torch.int32)
+        azp = torch.randint(-60, 60, (M,), dtype=torch.int32, device="cuda")
+        out = run_kernel(a, b, sa, sb, torch.float16, None, colsum, azp, config=config)
+        acc = exact_acc(a, b) - azp.double().reshape(-1, 1) * colsum.double().reshape(1, -1)
+        check(out, ref_epilogue(acc, sa, sb, torch.float16, None), torch.float16)
+        out = run_kernel(a, b, sa, sb, torch.float32, None, 3 * colsum, None, config=config)
+        check(out, ref_epilogue(exact_acc(a, b) - 3 * colsum.double(), sa, sb, torch.float32, None), torch.float32)
+        n += 2
+    torch.cuda.synchronize()
+    print(f"sanitize driver: {n} kernel calls checked")
+
+
+if __name__ == "__main__":
+    _sanitize_driver()
