@@ -64,8 +64,9 @@ def supports_gemm(x, qweight, scales, qzeros, group_size, bias=None) -> str | No
         return "sizes exceed 32-bit indexing"
     if x.is_contiguous() and x.data_ptr() % 4 != 0:
         return "x not 4-byte aligned"
-    if x.shape[0] > KERNEL_MAX_M and scales.is_contiguous() and scales.data_ptr() % 16 != 0:
-        return "scales not 16-byte aligned"
+    for name, t in (("scales", scales), ("qzeros", qzeros)):
+        if t.is_contiguous() and t.data_ptr() % 16 != 0:
+            return f"{name} not 16-byte aligned"
     return None
 
 

@@ -1,7 +1,7 @@
 // quantfuse AWQ W4A16 CUDA kernels (CUDA headers only; no torch).
 //
-// * awq_gemm_kernel: streams the repacked int4 weights once (16-byte loads, L2
-//   evict-first, a register double buffer of loads in flight), dequantizes them in
+// * awq_gemm_kernel: streams the repacked int4 weights once (16-byte cp.async per lane,
+//   L2 evict-first, a per-warp shared-memory ring of 11 steps in flight), dequantizes them in
 //   registers (lop3 + magic number, zeros and scales in half2/bfloat162 math) straight
 //   into mma.sync.m16n8k16 B fragments, and accumulates in fp32.  Each warp owns a
 //   64-column strip and a contiguous K range; the 8 warps of a block reduce through
@@ -46,15 +46,6 @@ __device__ __forceinline__ uint64_t evict_first_policy() {
   uint64_t pol;
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
   return pol;
-}
-
-// Weights are read once: skip L1, evict first from L2.
-__device__ __forceinline__ uint4 ld_stream(const uint4* p, uint64_t pol) {
-  uint4 r;
-  asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;\n"
-      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-      : "l"(p), "l"(pol));
-  return r;
 }
 
 // ----------------------------------------------------------------------------- per-dtype math
@@ -146,16 +137,40 @@ struct Dq<__nv_bfloat16> {
 
 // ----------------------------------------------------------------------------- GEMM
 
+// Per-warp ring of kRing k-steps in shared memory, filled by cp.async (16 bytes per lane
+// per step: the lane's own fragments), so that ~kRing-1 steps of weights per warp are in
+// flight without holding registers.  A step that starts a quantization group also
+// brings the strip's 64 scales (128 B) and 8 packed zero words (32 B).
+constexpr int kRing = 12;
+constexpr int kSlotW = 512;                  // weights: 32 lanes x 16 B
+constexpr int kSlotS = kStripN * 2;          // scales of the strip (fp16/bf16)
+constexpr int kSlotZ = 32;                   // 8 packed zero words
+constexpr int kSlot = kSlotW + kSlotS + kSlotZ;
+constexpr int kSmemBytes = kWarps * kRing * kSlot;
+static_assert(kSmemBytes >= kWarps * 16 * kRedStride * 4, "reduction buffer aliases the ring");
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const uint32_t s = (uint32_t)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async16_evict_first(void* smem, const void* gmem, uint64_t pol) {
+  const uint32_t s = (uint32_t)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "l"(pol));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
 // Grid: x = N/64 strips, y = K splits, z = M tiles of 16*MT rows.  Block: 8 warps, each
 // a contiguous share of the block's K range for the block's 64-column strip.
-template <typename T, int MT, int U>
+template <typename T, int MT>
 __global__ void __launch_bounds__(kThreads) awq_gemm_kernel(
     const T* __restrict__ x, const uint4* __restrict__ wp, const T* __restrict__ scales,
     const uint32_t* __restrict__ qzeros, const T* __restrict__ bias, T* __restrict__ out,
     float* __restrict__ partial, int M, int N, int K, int group_size, int splits) {
   using D = Dq<T>;
   using Col = typename D::Col;
-  __shared__ float red[kWarps * 16 * kRedStride];
+  extern __shared__ __align__(16) unsigned char smem[];
 
   const int strip = blockIdx.x;
   const int split = blockIdx.y;
@@ -169,6 +184,7 @@ __global__ void __launch_bounds__(kThreads) awq_gemm_kernel(
   const int per_warp = (ke - kb + kWarps - 1) / kWarps;
   const int wb = min(ke, kb + warp * per_warp);
   const int we = min(ke, wb + per_warp);
+  const int steps = we - wb;
 
   float acc[MT][8][4];
 #pragma unroll
@@ -179,14 +195,32 @@ __global__ void __launch_bounds__(kThreads) awq_gemm_kernel(
       for (int i = 0; i < 4; ++i) acc[mt][t][i] = 0.0f;
 
   const uint64_t pol = evict_first_policy();
+  unsigned char* ring = smem + warp * (kRing * kSlot);
   const uint4* wl = wp + (size_t)strip * KT * 32 + lane;
-  const int arow = lane >> 2;
-  const int acol = 2 * (lane & 3);
-  const int n_lane = strip * kStripN + (lane >> 2);
-  const int zshift = 4 * awq_order(lane >> 2);
+  const T* s_strip = scales + strip * kStripN;
+  const uint32_t* z_strip = qzeros + strip * (kStripN / 8);
   const int n8 = N >> 3;
 
-  // Row pointers of this lane's A fragment rows (null past M: those rows are zeros).
+  auto group_start = [&](int i) { return i == 0 || (((wb + i) << 4) % group_size) == 0; };
+  auto issue = [&](int i) {
+    if (i < steps) {
+      unsigned char* slot = ring + (i % kRing) * kSlot;
+      const int kt = wb + i;
+      cp_async16_evict_first(slot + lane * 16, wl + (size_t)kt * 32, pol);
+      if (group_start(i) && lane < 10) {
+        const int g = (kt << 4) / group_size;
+        if (lane < 8)
+          cp_async16(slot + kSlotW + lane * 16, s_strip + (size_t)g * N + lane * 8);
+        else
+          cp_async16(slot + kSlotW + kSlotS + (lane - 8) * 16, z_strip + (size_t)g * n8 + (lane - 8) * 4);
+      }
+    }
+    cp_async_commit();  // possibly empty: keeps one group per step
+  };
+
+  const int arow = lane >> 2;
+  const int acol = 2 * (lane & 3);
+  const int zshift = 4 * awq_order(lane >> 2);
   const T* arow_ptr[MT][2];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
@@ -195,62 +229,62 @@ __global__ void __launch_bounds__(kThreads) awq_gemm_kernel(
       const int r = m0 + mt * 16 + arow + 8 * h;
       arow_ptr[mt][h] = r < M ? x + (size_t)r * K + acol : nullptr;
     }
+  auto load_a = [&](int kt, uint32_t (&a)[MT][4]) {
+    const int ko = kt << 4;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      a[mt][0] = arow_ptr[mt][0] ? __ldg(reinterpret_cast<const unsigned int*>(arow_ptr[mt][0] + ko)) : 0u;
+      a[mt][1] = arow_ptr[mt][1] ? __ldg(reinterpret_cast<const unsigned int*>(arow_ptr[mt][1] + ko)) : 0u;
+      a[mt][2] = arow_ptr[mt][0] ? __ldg(reinterpret_cast<const unsigned int*>(arow_ptr[mt][0] + ko + 8)) : 0u;
+      a[mt][3] = arow_ptr[mt][1] ? __ldg(reinterpret_cast<const unsigned int*>(arow_ptr[mt][1] + ko + 8)) : 0u;
+    }
+  };
+
+#pragma unroll
+  for (int i = 0; i < kRing - 1; ++i) issue(i);
 
   Col cols[8];
-  int cur_g = -1;
+  uint32_t a_next[MT][4];
+  if (steps > 0) load_a(wb, a_next);
 
-  uint4 cur[U];
+  for (int i = 0; i < steps; ++i) {
+    cp_async_wait<kRing - 2>();  // this step's group has landed (own copies)
+    __syncwarp();                // ... and the other lanes' (scales/zeros), and all lanes left step i-1
+    const unsigned char* slot = ring + (i % kRing) * kSlot;
+    const uint4 w = *reinterpret_cast<const uint4*>(slot + lane * 16);
+    if (group_start(i)) {
+      const T* ss = reinterpret_cast<const T*>(slot + kSlotW);
+      const uint32_t* zz = reinterpret_cast<const uint32_t*>(slot + kSlotW + kSlotS);
 #pragma unroll
-  for (int u = 0; u < U; ++u)
-    if (wb + u < we) cur[u] = ld_stream(wl + (size_t)(wb + u) * 32, pol);
-
-  for (int kt = wb; kt < we; kt += U) {
-    uint4 nxt[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-      if (kt + U + u < we) nxt[u] = ld_stream(wl + (size_t)(kt + U + u) * 32, pol);
-
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int k = kt + u;
-      if (k < we) {
-        const int g = (k << 4) / group_size;
-        if (g != cur_g) {
-          cur_g = g;
-          const T* srow = scales + (size_t)g * N + n_lane;
-          const uint32_t* zrow = qzeros + (size_t)g * n8 + strip * (kStripN / 8);
-#pragma unroll
-          for (int c = 0; c < 8; ++c) {  // c = 2*j + half: columns n_lane + 8c
-            const int z = (int)((__ldg(zrow + c) >> zshift) & 0xFu);
-            cols[c] = D::make(srow[8 * c], z);
-          }
-        }
-        uint32_t a[MT][4];
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          const int ko = k << 4;
-          a[mt][0] = arow_ptr[mt][0] ? __ldg(reinterpret_cast<const unsigned int*>(arow_ptr[mt][0] + ko)) : 0u;
-          a[mt][1] = arow_ptr[mt][1] ? __ldg(reinterpret_cast<const unsigned int*>(arow_ptr[mt][1] + ko)) : 0u;
-          a[mt][2] = arow_ptr[mt][0] ? __ldg(reinterpret_cast<const unsigned int*>(arow_ptr[mt][0] + ko + 8)) : 0u;
-          a[mt][3] = arow_ptr[mt][1] ? __ldg(reinterpret_cast<const unsigned int*>(arow_ptr[mt][1] + ko + 8)) : 0u;
-        }
-        const uint32_t words[4] = {cur[u].x, cur[u].y, cur[u].z, cur[u].w};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          uint32_t b[2][2];
-          D::frag(words[j], cols[2 * j], cols[2 * j + 1], b);
-#pragma unroll
-          for (int mt = 0; mt < MT; ++mt) {
-            D::mma(acc[mt][2 * j], a[mt], b[0]);
-            D::mma(acc[mt][2 * j + 1], a[mt], b[1]);
-          }
-        }
+      for (int c = 0; c < 8; ++c) {  // c = 2*j + half: column 16j + 8*half + lane/4 of the strip
+        const int z = (int)((zz[c] >> zshift) & 0xFu);
+        cols[c] = D::make(ss[8 * c + (lane >> 2)], z);
       }
     }
+    __syncwarp();      // every lane has read slot i before any lane refills slot i-1 ... i
+    issue(i + kRing - 1);  // refills slot (i - 1) % kRing
+    uint32_t a[MT][4];
 #pragma unroll
-    for (int u = 0; u < U; ++u) cur[u] = nxt[u];
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) a[mt][r] = a_next[mt][r];
+    if (i + 1 < steps) load_a(wb + i + 1, a_next);
+    const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      uint32_t b[2][2];
+      D::frag(words[j], cols[2 * j], cols[2 * j + 1], b);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        D::mma(acc[mt][2 * j], a[mt], b[0]);
+        D::mma(acc[mt][2 * j + 1], a[mt], b[1]);
+      }
+    }
   }
+  cp_async_wait<0>();
+  __syncthreads();  // the ring becomes the reduction buffer
 
+  float* red = reinterpret_cast<float*>(smem);
   // Reduce the 8 warps' partial tiles, one 16-row M tile at a time.
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
@@ -365,11 +399,6 @@ __global__ void awq_repack_kernel(const uint32_t* __restrict__ qweight, uint32_t
 
 // ----------------------------------------------------------------------------- host side
 
-template <typename T, int MT>
-constexpr int unroll_for() {
-  return MT == 4 ? 2 : 4;
-}
-
 int sm_count(int device) {
   static int cached[64] = {0};
   if (device < 0 || device >= 64) return 132;
@@ -381,12 +410,14 @@ int sm_count(int device) {
   return cached[device];
 }
 
+// Raises the kernel's dynamic shared-memory limit (once) and returns its occupancy.
 template <typename T, int MT>
-int blocks_per_sm() {
+int prepare_kernel() {
   static int cached = 0;
   if (cached == 0) {
+    cudaFuncSetAttribute(awq_gemm_kernel<T, MT>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
     int n = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, awq_gemm_kernel<T, MT, unroll_for<T, MT>()>, kThreads, 0) !=
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, awq_gemm_kernel<T, MT>, kThreads, kSmemBytes) !=
             cudaSuccess || n <= 0)
       n = 1;
     cached = n;
@@ -399,23 +430,37 @@ int mt_for(int M) { return M <= 16 ? 1 : (M <= 32 ? 2 : 4); }
 template <typename T>
 int splits_for(int M, int N, int K, int device) {
   const int mt = mt_for(M);
-  const int occ = mt == 1 ? blocks_per_sm<T, 1>() : (mt == 2 ? blocks_per_sm<T, 2>() : blocks_per_sm<T, 4>());
+  const int occ = mt == 1 ? prepare_kernel<T, 1>() : (mt == 2 ? prepare_kernel<T, 2>() : prepare_kernel<T, 4>());
   const int tiles = (N / kStripN) * ((M + 16 * mt - 1) / (16 * mt));
-  const int target = sm_count(device) * occ;
-  if (tiles >= target) return 1;
+  const int slots = sm_count(device) * occ;
   const int KT = K / 16;
-  int s = (target + tiles - 1) / tiles;
-  const int max_s = KT / (kWarps * 4);  // at least 4 k-steps per warp
-  if (s > max_s) s = max_s;
-  return s < 1 ? 1 : s;
+  int max_s = KT / (kWarps * 4);  // at least 4 k-steps per warp
+  if (max_s > 16) max_s = 16;
+  // Memory-bound: balance the blocks (equal bytes each) over the SMs, want at least two
+  // blocks per SM for latency hiding, and pay ~3% per extra split (fp32 partials).
+  const int sms = sm_count(device);
+  int best = 1;
+  double best_cost = 1e30;
+  for (int s = 1; s <= (max_s < 1 ? 1 : max_s); ++s) {
+    const double blocks = (double)tiles * s;
+    const double per_sm = blocks / sms;
+    double cost = (double)(long)((blocks + sms - 1) / sms) / per_sm * (1.0 + 0.03 * (s - 1));
+    if (blocks < 2.0 * sms && blocks < slots) cost *= 1.5;
+    if (cost < best_cost - 1e-9) {
+      best_cost = cost;
+      best = s;
+    }
+  }
+  return best;
 }
 
 template <typename T, int MT>
 cudaError_t run_gemm(const void* x, const uint32_t* wp, const void* scales, const uint32_t* qzeros,
                      const void* bias, void* out, float* partial, int M, int N, int K, int group_size, int splits,
                      cudaStream_t stream) {
+  prepare_kernel<T, MT>();
   dim3 grid(N / kStripN, splits, (M + 16 * MT - 1) / (16 * MT));
-  awq_gemm_kernel<T, MT, unroll_for<T, MT>()><<<grid, kThreads, 0, stream>>>(
+  awq_gemm_kernel<T, MT><<<grid, kThreads, kSmemBytes, stream>>>(
       static_cast<const T*>(x), reinterpret_cast<const uint4*>(wp), static_cast<const T*>(scales), qzeros,
       static_cast<const T*>(bias), static_cast<T*>(out), splits > 1 ? partial : nullptr, M, N, K, group_size,
       splits);

@@ -104,6 +104,8 @@ at::Tensor awq_gemm_cuda(const at::Tensor& x, const at::Tensor& wpacked, const a
   check_awq_args(scales, qzeros, K, N, group_size);
   check_aligned(x, "x", 4);
   check_aligned(wpacked, "wpacked");
+  check_aligned(scales, "scales");
+  check_aligned(qzeros, "qzeros");
   const void* bias_ptr = nullptr;
   if (bias.has_value()) {
     check_cuda_contig(*bias, "bias");
