@@ -4,8 +4,9 @@ Runs after our patterns in the last slot that holds any.  A matmul (``mm``,
 ``addmm``, ``bmm``, ``baddbmm``, ``_int_mm``, ``matmul``, ``linear``) is a
 candidate when one of its operands traces back, through element-wise and
 layout ops, to an int8 / uint8 / float8 tensor, an int32 tensor that is
-unpacked with shifts or masks (packed int4), or the int32 result of
-``_int_mm``.  Each candidate is reported with the reason a pattern's check
+unpacked with shifts or masks (packed int4); ``_int_mm`` itself always is.
+Tracing stops at GEMM outputs, so float matmuls downstream of a quantized layer
+are not candidates.  Each candidate is reported with the reason a pattern's check
 remembered on the node (``report.note_reason``), or, when no pattern matched
 its structure at all, with what its inputs look like.
 """
@@ -13,6 +14,8 @@ its structure at all, with what its inputs look like.
 from __future__ import annotations
 
 import torch
+
+import compile_backend.ops  # noqa: F401  (torch.ops.quantfuse.*)
 
 from . import report
 
@@ -28,8 +31,14 @@ _UNPACK = {
     aten.bitwise_and.Scalar, aten.__rshift__.Scalar, aten.__rshift__.Tensor, aten.__and__.Scalar,
     aten.__and__.Tensor,
 }
-# How far back (in nodes) an operand is followed.
-MAX_DEPTH = 12
+# How far back (in nodes) an operand is followed: a dequantize chain is a few ops long.
+MAX_DEPTH = 6
+# A GEMM's output is a fresh float tensor, not a quantized one: tracing stops there
+# (otherwise every float matmul downstream of a quantized layer would look quantized).
+_GEMM_OUTPUTS = MATMULS | {
+    torch.ops.quantfuse.scaled_mm.default, torch.ops.quantfuse.scaled_mm_azp.default,
+    torch.ops.quantfuse.awq_gemm.default,
+}
 
 
 def _dtype(node):
@@ -47,8 +56,8 @@ def quantized_source(node, depth: int = MAX_DEPTH, seen=None) -> str | None:
     if dtype in QUANT_DTYPES:
         return f"{node.name} ({str(dtype).replace('torch.', '')})"
     if node.op == "call_function":
-        if node.target is aten._int_mm.default:
-            return f"{node.name} (int32 from _int_mm)"
+        if node.target in _GEMM_OUTPUTS:
+            return None
         if node.target in _UNPACK and dtype in (torch.int32, torch.int64):
             return f"{node.name} (packed int4 unpacked with shifts/masks)"
         for arg in node.all_input_nodes:
