@@ -88,7 +88,7 @@ from torch._inductor.pattern_matcher import (
 
 from compile_backend.ops import AWQ_ACT_DTYPES, AWQ_PACK, AWQ_SHIFTS
 
-from .report import record_fused
+from .report import note_reason, record_fused
 
 aten, prims = torch.ops.aten, torch.ops.prims
 
@@ -235,24 +235,26 @@ class _Unpacked:
     gathered: bool  # a reorder index was used (AutoAWQ style)
 
 
-def _analyze_unpack(node) -> _Unpacked | None:
-    """Is ``node`` an AWQ-order unpack of an int32 ``[R, N/8]`` tensor into ``[R, N]``?"""
+def _analyze_unpack(node, what: str) -> _Unpacked | str:
+    """Is ``node`` an AWQ-order unpack of an int32 ``[R, N/8]`` tensor into ``[R, N]``?  Else why not."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+    reason = f"{what} is not a 4-bit unpack (shift, & 15, reshape/reorder) of an int32 tensor"
     if not isinstance(node, torch.fx.Node) or node.op != "call_function":
-        return None
+        return reason
     for seq, pattern in _UNPACK_PATTERNS.get(node.target, ()):
         m = pattern.match(node)
         if is_match(m):
             # The layout check computes on small real tensors, also inside a compile's fake mode.
             with unset_fake_temporarily():
                 found = _check_unpack(node, seq, m)
-            if found is not None:
+            if isinstance(found, _Unpacked):
                 return found
-    return None
+            reason = f"{what}: {found}"
+    return reason
 
 
-def _check_unpack(root: torch.fx.Node, seq, m: Match) -> _Unpacked | None:
+def _check_unpack(root: torch.fx.Node, seq, m: Match) -> _Unpacked | str:
     chain, node = [], root
     for step in reversed(seq):
         chain.append((step, node))
@@ -263,18 +265,18 @@ def _check_unpack(root: torch.fx.Node, seq, m: Match) -> _Unpacked | None:
 
     p = _tensor(packed)
     if p is None or p.dtype != torch.int32 or p.dim() != 2 or _static_shape(p) is None:
-        return None
+        return "the packed tensor is not a 2-D int32 tensor of static shape"
     R, C = p.shape
     N = C * AWQ_PACK
     if _static_shape(_tensor(unsqueezed)) != (R, C, 1) or _static_shape(_tensor(shifted)) != (R, C, AWQ_PACK):
-        return None
+        return "the shift does not spread each int32 over 8 values along a new last dimension"
     shifts = _constant(m.kwargs["shifts"])
     if (shifts is None or shifts.dtype not in _INT_DTYPES or shifts.dim() > 3 or shifts.shape[-1] != AWQ_PACK
             or any(s != 1 for s in shifts.shape[:-1])):
-        return None
+        return "the shift amounts are not a constant integer tensor of 8 values"
     shifts = shifts.reshape(AWQ_PACK).to(torch.int64)
     if m.kwargs.get("mask") != MASK:
-        return None
+        return f"the mask is {m.kwargs.get('mask')!r}, not {MASK} (4-bit values)"
 
     # src[n]: which element (8 * word + slot of the shift) of a [R, N/8, 8] row column n reads.
     src = torch.arange(N)
@@ -283,37 +285,40 @@ def _check_unpack(root: torch.fx.Node, seq, m: Match) -> _Unpacked | None:
     for step, n in chain:
         out = _tensor(n)
         if out is None:
-            return None
+            return "a node in the unpack chain has no tensor metadata"
         if step == "view":
             shape = _static_shape(out)
             if shape not in flat_shapes:
-                return None
+                return f"a reshape to {tuple(out.shape)} mixes rows of the packed tensor"
         elif step == "mask":
             masked = True
         elif step == "cast":
             ok = out.dtype in _INT_DTYPES or (masked and out.dtype in _EXACT_FLOAT_DTYPES)
             if not ok:
-                return None
+                return f"a cast to {out.dtype} in the unpack chain"
         elif step == "gather":
             perm = _constant(m.kwargs["perm"])
             if (perm is None or perm.dim() != 1 or perm.dtype not in _INT_DTYPES or len(shape) != 2
                     or perm.numel() != shape[1] or _static_shape(out) != shape):
-                return None
+                return "the column reorder is not a constant 1-D permutation of the last dimension"
             perm = perm.to(torch.int64)
             if perm.numel() and (perm.min() < 0 or perm.max() >= shape[1]):
-                return None
+                return "the column reorder index is out of range"
             if shape == (R, N):
                 src = src[perm]
             elif shape == (R * C, AWQ_PACK):
                 src = src.view(C, AWQ_PACK)[:, perm].reshape(-1)
             else:
-                return None
+                return "the column reorder is applied to an unsupported shape"
     if shape != (R, N) or _static_shape(_tensor(root)) != (R, N) or not masked:
-        return None
+        return f"the unpacked tensor is not [{R}, {N}]"
     n = torch.arange(N)
     want_shift = torch.tensor(AWQ_SHIFTS, dtype=torch.int64)[n % AWQ_PACK]
-    if not (torch.equal(src // AWQ_PACK, n // AWQ_PACK) and torch.equal(shifts[src % AWQ_PACK], want_shift)):
-        return None
+    if not torch.equal(src // AWQ_PACK, n // AWQ_PACK):
+        return "columns are taken from the wrong int32 words"
+    if not torch.equal(shifts[src % AWQ_PACK], want_shift):
+        got = shifts[src[:AWQ_PACK] % AWQ_PACK].tolist()
+        return f"bit order: columns 0..7 read bits {got}, AWQ order reads {list(AWQ_SHIFTS)}"
     return _Unpacked(packed, R, N, "gather" in seq)
 
 
@@ -355,6 +360,8 @@ def _variants():
 
 @dataclass(frozen=True)
 class _Fusion:
+    qweight: torch.fx.Node
+    qzeros: torch.fx.Node
     group_size: int
     form: str
     detail: str
@@ -365,81 +372,88 @@ def _no_alpha(node: torch.fx.Node) -> bool:
 
 
 def _expansion(node, kind: str, N: int):
-    """(groups, group size, the un-expanded node) of a group-expanded [K, N] operand."""
+    """(groups, group size or None for broadcasting) of a group-expanded ``[K, N]`` operand, else None."""
     if kind == "broadcast":
-        t = _tensor(node)
-        return (1, None, node) if _static_shape(t) == (1, N) else None
-    view = node
-    inner = view.args[0]
+        return (1, None) if _static_shape(_tensor(node)) == (1, N) else None
+    inner = node.args[0]
     expand = inner.args[0] if kind == "clone" else inner
     unsq = expand.args[0]
-    e = _static_shape(_tensor(expand))
-    u = _static_shape(_tensor(unsq))
+    e, u = _static_shape(_tensor(expand)), _static_shape(_tensor(unsq))
     if e is None or u is None or len(e) != 3 or u != (e[0], 1, e[2]) or e[2] != N:
         return None
-    if _static_shape(_tensor(view)) != (e[0] * e[1], N):
+    if _static_shape(_tensor(node)) != (e[0] * e[1], N):
         return None
-    return e[0], e[1], unsq.args[0]
+    return e[0], e[1]
 
 
-def _analyze(v: _Variant, match: Match) -> _Fusion | None:
+def _analyze(v: _Variant, match: Match) -> _Fusion | str:
+    """The fusion for a structural match of ``_mm_pattern(v)``, or why it must not be fused."""
     kw = match.kwargs
     mm = match.output_node()
     weight = mm.args[1]
-    diff_side = weight.args[1] if v.scales_first else weight.args[0]
-    s_side = weight.args[0] if v.scales_first else weight.args[1]
+    diff_side, s_side = weight.args[::-1] if v.scales_first else weight.args
     sub = diff_side.args[0] if v.cast else diff_side
     if not _no_alpha(sub):
-        return None
+        return "the zero point is subtracted with an alpha"
 
     x, scales, W, y = _tensor(kw["x"]), _tensor(kw["scales"]), _tensor(weight), _tensor(mm)
     if x is None or scales is None or W is None or y is None:
-        return None
+        return "missing tensor metadata"
     dtype = x.dtype
-    if dtype not in AWQ_ACT_DTYPES or scales.dtype != dtype or W.dtype != dtype or y.dtype != dtype:
-        return None
+    if dtype not in AWQ_ACT_DTYPES:
+        return f"activations are {dtype}; awq_gemm takes float16 or bfloat16"
+    if scales.dtype != dtype or W.dtype != dtype or y.dtype != dtype:
+        return f"scales ({scales.dtype}) / dequantized weight ({W.dtype}) not in the activation dtype {dtype}"
     w_shape, s_shape = _static_shape(W), _static_shape(scales)
-    if w_shape is None or s_shape is None or len(s_shape) != 2:
-        return None
+    if w_shape is None or s_shape is None:
+        return "symbolic weight or scale shape"
     K, N = w_shape
 
-    qw = _analyze_unpack(kw["w_unpacked"])
-    if qw is None or (qw.rows, qw.cols) != (K, N):
-        return None
-    z_exp = _expansion(sub.args[1], v.zeros, N)
-    s_exp = _expansion(s_side, v.scales, N)
+    qw = _analyze_unpack(kw["w_unpacked"], "weight")
+    if isinstance(qw, str):
+        return qw
+    if (qw.rows, qw.cols) != (K, N):
+        return f"unpacked weight is [{qw.rows}, {qw.cols}], not [K, N] = [{K}, {N}]"
+    qz = _analyze_unpack(kw["z_unpacked"], "zero point")
+    if isinstance(qz, str):
+        return qz
+    z_exp, s_exp = _expansion(sub.args[1], v.zeros, N), _expansion(s_side, v.scales, N)
     if z_exp is None or s_exp is None:
-        return None
-    qz = _analyze_unpack(kw["z_unpacked"])
-    if qz is None or qz.cols != N or _tensor(qz.packed).shape[0] != z_exp[0]:
-        return None
+        return "zeros or scales are not expanded by groups of rows to [K, N]"
     groups = z_exp[0]
     # Broadcasting a [1, N] operand is per-channel: one group of K rows.
     g_z = K if z_exp[1] is None else z_exp[1]
     g_s = K if s_exp[1] is None else s_exp[1]
-    if s_exp[0] != groups or g_z != g_s or groups * g_z != K or s_shape != (groups, N):
-        return None
+    if g_z != g_s or s_exp[0] != groups:
+        return f"zeros (group size {g_z}) and scales (group size {g_s}) are grouped differently"
+    if groups * g_z != K:
+        return f"{groups} groups of {g_z} rows do not cover K = {K}"
+    if (qz.rows, qz.cols) != (groups, N):
+        return f"qzeros unpacks to [{qz.rows}, {qz.cols}], expected [K/G, N] = [{groups}, {N}]"
+    if s_shape != (groups, N):
+        return f"scales have shape {list(s_shape)}, expected [K/G, N] = [{groups}, {N}]"
     form = "autoawq_reorder" if qw.gathered or qz.gathered else "awq_shift_table"
     per = "per-channel" if g_z == K else f"group_size={g_z}"
-    return _Fusion(g_z, form, f"{per} K={K} N={N} {str(dtype).removeprefix('torch.')}")
+    return _Fusion(qw.packed, qz.packed, g_z, form, f"{per} K={K} N={N} {str(dtype).removeprefix('torch.')}")
 
 
 def _make_mm_handler(v: _Variant):
     def check(match: Match) -> bool:
         fusion = _analyze(v, match)
+        if isinstance(fusion, str):
+            note_reason(match.output_node(), f"{FAMILY}: {fusion}")
+            return False
         match.quantfuse_awq = fusion
-        return fusion is not None
+        return True
 
     def handler(match: Match, **kw):
         fusion = match.quantfuse_awq
-        qweight = _analyze_unpack(kw["w_unpacked"]).packed
-        qzeros = _analyze_unpack(kw["z_unpacked"]).packed
         group_size = fusion.group_size
 
         def repl(x, qweight, scales, qzeros):
             return torch.ops.quantfuse.awq_gemm(x, qweight, scales, qzeros, group_size)
 
-        match.replace_by_example(repl, [kw["x"], qweight, kw["scales"], qzeros])
+        match.replace_by_example(repl, [kw["x"], fusion.qweight, kw["scales"], fusion.qzeros])
         record_fused(FAMILY, fusion.form, fusion.detail)
 
     return check, handler

@@ -1,0 +1,458 @@
+"""The AWQ pattern family (passes/awq_gemm.py): unpack → − zeros → × scales → matmul (+ bias) into awq_gemm.
+
+Most tests run the passes on the graph Inductor's custom slots receive (Dynamo +
+AOTAutograd with Inductor's decompositions, no code generation) and run the
+rewritten graph eagerly; two tests go through ``torch.compile(backend="quantfuse")``.
+
+``trace`` below is private rather than ``tests/pass_helpers.apply_passes``:
+that helper deep-copies the graph module inside the compile's fake mode, which
+fails for graphs holding lifted tensor constants (AWQLinear's shift table is
+one).  ``graph_str`` and ``count_calls`` are the shared ones.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from compile_backend.passes import FusionReport, collecting_report, make_graph_passes
+from compile_backend.passes.report import noted_reasons
+from expecttest import TestCase
+from pass_helpers import count_calls, graph_str
+from torch import nn
+from torch._dynamo.backends.common import aot_autograd
+from torch._inductor.decomposition import select_decomp_table
+
+from compile_backend.quantize import AWQLinear
+
+aten = torch.ops.aten
+AWQ_GEMM = torch.ops.quantfuse.awq_gemm.default
+UNPACK_OPS = (aten.__rshift__.Tensor, aten.bitwise_right_shift.Tensor, aten.bitwise_and.Scalar)
+K, N = 256, 64
+AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # AutoAWQ's name for the gather that undoes the packing
+
+
+# --------------------------------------------------------------------------- tracing
+
+
+@dataclass
+class Traced:
+    before: str  # graph_str of the graph as traced
+    after: torch.fx.GraphModule
+    report: FusionReport
+    output: Any
+    expected: Any
+
+    def count(self, *targets) -> int:
+        return count_calls(self.after, *targets)
+
+    def reasons(self) -> list[str]:
+        mms = [n for n in self.after.graph.nodes if n.target == aten.mm.default]
+        return [r for n in mms for r in noted_reasons(n)]
+
+
+def trace(fn, *args, dynamic=False, stage="joint") -> Traced:
+    """Trace ``fn`` to the graph Inductor's custom passes see, run our AWQ passes, run the result.
+
+    ``stage``: "joint" runs the joint-graph slot; "post_grad" only the post-grad
+    pre slot, after ``view_to_reshape`` (what that slot sees); "both" one after
+    the other, as Inductor does.
+    """
+    passes = make_graph_passes({"families": ("awq_gemm",)})
+    captured = {}
+
+    def fw_compiler(gm, example_inputs):
+        captured["before"] = graph_str(gm)
+        if stage in ("joint", "both"):
+            passes["joint_custom_pre_pass"](gm.graph)
+        if stage in ("post_grad", "both"):
+            from torch._inductor.fx_passes.post_grad import view_to_reshape
+
+            view_to_reshape(gm)
+            passes["post_grad_custom_pre_pass"](gm.graph)
+        gm.graph.lint()
+        gm.recompile()
+        captured["after"] = gm
+        return gm.forward
+
+    backend = aot_autograd(fw_compiler=fw_compiler, decompositions=select_decomp_table())
+    torch._dynamo.reset()
+    with torch.no_grad():
+        expected = fn(*args)
+        with collecting_report() as report:
+            output = torch.compile(fn, backend=backend, dynamic=dynamic, fullgraph=True)(*args)
+    torch._dynamo.reset()
+    return Traced(captured["before"], captured["after"], report, output, expected)
+
+
+def assert_output_close(out, expected):
+    """The fused op accumulates in float32 and rounds once (bias included); eager rounds the
+    matmul to the activation dtype and then adds the bias, a second rounding.  So the two may
+    differ by about two units in the last place of the largest output."""
+    assert out.dtype == expected.dtype and out.shape == expected.shape
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(out, expected, rtol=0, atol=4 * torch.finfo(out.dtype).eps * scale)
+
+
+# --------------------------------------------------------------------------- the modules users have
+
+
+def awq_params(group_size: int, dtype, bias: bool, seed: int = 0, k: int = K, n: int = N):
+    torch.manual_seed(seed)
+    return AWQLinear.from_linear(nn.Linear(k, n, bias=bias), group_size=group_size, dtype=dtype)
+
+
+class AutoAWQLinear(nn.Module):
+    """AutoAWQ's formulation of the same layer (same buffers as AWQLinear).
+
+    ``reorder``: "full" gathers the [K, N] unpacked columns with a length-N index built
+    from the reverse order (AutoAWQ); "chunk" gathers a [K*N/8, 8] view with the 8-entry
+    order; None leaves the columns in the shift order (a *different* bit order).
+    ``order`` is the 8-entry gather order, ``shift_bits`` / ``mask`` the unpack's step and
+    mask, ``expand`` how zeros and scales reach [K, N], ``zero_point`` what is subtracted.
+    """
+
+    def __init__(self, awq: AWQLinear, *, reorder="full", order=AWQ_REVERSE_ORDER, shift_bits=4, mask=15,
+                 expand="repeat_interleave", zero_point="packed"):
+        super().__init__()
+        for name in ("qweight", "qzeros", "scales", "bias"):
+            self.register_buffer(name, getattr(awq, name))
+        self.group_size = awq.group_size
+        self.reorder, self.order, self.shift_bits, self.mask = reorder, list(order), shift_bits, mask
+        self.expand, self.zero_point = expand, zero_point
+
+    def unpack(self, packed):
+        shifts = torch.arange(0, 32, self.shift_bits, device=packed.device)
+        values = torch.bitwise_right_shift(packed[:, :, None], shifts[None, None, :]).to(torch.int8)
+        values = values.view(packed.shape[0], -1)
+        if self.reorder == "full":
+            index = torch.arange(values.shape[-1], dtype=torch.int32, device=packed.device)
+            index = index.view(-1, 8)[:, self.order].view(-1)
+            values = values[:, index]
+        elif self.reorder == "chunk":
+            values = values.view(-1, 8)[:, self.order].view(packed.shape[0], -1)
+        return torch.bitwise_and(values, self.mask)
+
+    def groups(self, t):
+        if self.expand == "repeat_interleave":
+            return t.repeat_interleave(self.group_size, dim=0)
+        if self.expand == "expand":
+            g, n = t.shape
+            return t[:, None, :].expand(g, self.group_size, n).reshape(g * self.group_size, n)
+        return t  # broadcasting: per-channel only
+
+    def forward(self, x):
+        w = self.unpack(self.qweight)
+        if self.zero_point == "packed":
+            w = w - self.groups(self.unpack(self.qzeros))
+        elif self.zero_point == "scalar":
+            w = w - 8
+        w = w * self.groups(self.scales)
+        y = torch.matmul(x, w)
+        return y if self.bias is None else y + self.bias
+
+
+class ExpandAWQLinear(AWQLinear):
+    """AWQLinear with the groups expanded by view/expand instead of repeat_interleave."""
+
+    def dequantized_weight(self):
+        from compile_backend.ops import awq_unpack
+
+        G, (groups, n) = self.group_size, self.scales.shape
+        z = awq_unpack(self.qzeros)[:, None, :].expand(groups, G, n).reshape(-1, n)
+        s = self.scales.unsqueeze(1).expand(-1, G, -1).reshape(groups * G, n)
+        return (awq_unpack(self.qweight) - z).to(self.scales.dtype) * s
+
+
+def make_module(form: str, group_size: int, dtype, bias: bool) -> nn.Module:
+    awq = awq_params(group_size, dtype, bias)
+    if form == "AWQLinear":
+        return awq
+    if form == "AWQLinear-expand":
+        mod = ExpandAWQLinear(K, N, group_size=group_size, bias=bias, dtype=dtype)
+        mod.load_state_dict(awq.state_dict())
+        return mod
+    if form == "AutoAWQ":
+        return AutoAWQLinear(awq)
+    if form == "AutoAWQ-chunk-expand":
+        return AutoAWQLinear(awq, reorder="chunk", expand="expand")
+    if form == "AutoAWQ-broadcast":  # per-channel zeros and scales [1, N], no expansion at all
+        return AutoAWQLinear(awq, expand="broadcast")
+    raise ValueError(form)
+
+
+def activations(dim: int, dtype, seed: int = 1):
+    torch.manual_seed(seed)
+    return torch.randn((6, K) if dim == 2 else (2, 3, K), dtype=dtype)
+
+
+def assert_fused(t: Traced, group_size: int, form: str):
+    assert t.count(AWQ_GEMM) == 1, graph_str(t.after)
+    assert t.count(aten.mm.default, aten.addmm.default, *UNPACK_OPS) == 0, graph_str(t.after)
+    (fused,) = t.report.fused
+    assert fused.family == "awq_gemm"
+    assert fused.form == ("autoawq_reorder" if form.startswith("AutoAWQ") else "awq_shift_table")
+    node = next(n for n in t.after.graph.nodes if n.target == AWQ_GEMM)
+    assert node.args[4] == (K if group_size == -1 else group_size)
+    assert_output_close(t.output, t.expected)
+
+
+# --------------------------------------------------------------------------- before / after
+
+
+class TestGraphBeforeAfter(TestCase):
+    def test_awq_linear_3d_bias(self):
+        torch.manual_seed(0)
+        mod = AWQLinear.from_linear(nn.Linear(64, 16), group_size=32, dtype=torch.float16)
+        t = trace(mod, torch.randn(2, 3, 64, dtype=torch.float16))
+        self.assertExpectedInline(t.before, """\
+input arg0_1: int32[64, 2]
+input arg1_1: int32[2, 2]
+input arg2_1: float16[2, 16]
+input arg3_1: float16[2, 3, 64]
+input arg4_1: float16[16]
+_tensor_constant0: int32[8] = get_attr _tensor_constant0
+lift_fresh_copy: int32[8] = aten.lift_fresh_copy(_tensor_constant0)
+unsqueeze: int32[64, 2, 1] = aten.unsqueeze(arg0_1, -1)
+rshift: int32[64, 2, 8] = aten.__rshift__.Tensor(unsqueeze, lift_fresh_copy)
+bitwise_and: int32[64, 2, 8] = aten.bitwise_and.Scalar(rshift, 15)
+view: int32[64, 16] = aten.view(bitwise_and, [64, 16])
+_tensor_constant1: int32[8] = get_attr _tensor_constant1
+lift_fresh_copy_1: int32[8] = aten.lift_fresh_copy(_tensor_constant1)
+unsqueeze_1: int32[2, 2, 1] = aten.unsqueeze(arg1_1, -1)
+rshift_1: int32[2, 2, 8] = aten.__rshift__.Tensor(unsqueeze_1, lift_fresh_copy_1)
+bitwise_and_1: int32[2, 2, 8] = aten.bitwise_and.Scalar(rshift_1, 15)
+view_1: int32[2, 16] = aten.view(bitwise_and_1, [2, 16])
+unsqueeze_2: int32[2, 1, 16] = aten.unsqueeze(view_1, 1)
+expand: int32[2, 32, 16] = aten.expand(unsqueeze_2, [2, 32, 16])
+clone: int32[2, 32, 16] = aten.clone(expand, memory_format=torch.contiguous_format)
+view_2: int32[64, 16] = aten.view(clone, [64, 16])
+sub: int32[64, 16] = aten.sub.Tensor(view, view_2)
+convert_element_type: float16[64, 16] = prims.convert_element_type(sub, float16)
+unsqueeze_3: float16[2, 1, 16] = aten.unsqueeze(arg2_1, 1)
+expand_1: float16[2, 32, 16] = aten.expand(unsqueeze_3, [2, 32, 16])
+clone_1: float16[2, 32, 16] = aten.clone(expand_1, memory_format=torch.contiguous_format)
+view_3: float16[64, 16] = aten.view(clone_1, [64, 16])
+mul: float16[64, 16] = aten.mul.Tensor(convert_element_type, view_3)
+view_4: float16[6, 64] = aten.view(arg3_1, [6, 64])
+mm: float16[6, 16] = aten.mm(view_4, mul)
+view_5: float16[2, 3, 16] = aten.view(mm, [2, 3, 16])
+add: float16[2, 3, 16] = aten.add.Tensor(view_5, arg4_1)
+return [add]""")
+        self.assertExpectedInline(graph_str(t.after), """\
+input arg0_1: int32[64, 2]
+input arg1_1: int32[2, 2]
+input arg2_1: float16[2, 16]
+input arg3_1: float16[2, 3, 64]
+input arg4_1: float16[16]
+view_4: float16[6, 64] = aten.view(arg3_1, [6, 64])
+awq_gemm_default_1: float16[6, 16] = quantfuse.awq_gemm(view_4, arg0_1, arg2_1, arg1_1, 32, arg4_1)
+view_default: float16[2, 3, 16] = aten.view(awq_gemm_default_1, [2, 3, 16])
+return [view_default]""")
+        self.assertEqual(str(t.report).splitlines()[1:],
+                         ["  fused    awq_gemm       from awq_shift_table group_size=32 K=64 N=16 float16"])
+        assert_output_close(t.output, t.expected)
+
+
+# --------------------------------------------------------------------------- every variant matches
+
+GROUPS = (32, 64, 128, -1)  # -1: per-channel (group = K)
+DTYPES = (torch.float16, torch.bfloat16)
+
+
+@pytest.mark.parametrize("form", ["AWQLinear", "AutoAWQ"])
+@pytest.mark.parametrize("group_size", GROUPS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_groups_and_dtypes(form, group_size, dtype):
+    t = trace(make_module(form, group_size, dtype, bias=True), activations(3, dtype))
+    assert_fused(t, group_size, form)
+
+
+@pytest.mark.parametrize("form", ["AWQLinear", "AutoAWQ"])
+@pytest.mark.parametrize(("dim", "bias", "dynamic"), list(itertools.product((2, 3), (False, True), (False, True))))
+def test_shapes_bias_dynamic(form, dim, bias, dynamic):
+    t = trace(make_module(form, 64, torch.float16, bias), activations(dim, torch.float16), dynamic=dynamic)
+    assert_fused(t, 64, form)
+    (node,) = [n for n in t.after.graph.nodes if n.target == AWQ_GEMM]
+    assert (len(node.args) == 6 and node.args[5] is not None) == bias
+    if dynamic:  # the batch really is symbolic in the graph the pass rewrote
+        assert any(isinstance(s, torch.SymInt) and not isinstance(s.node.maybe_as_int(), int)
+                   for s in node.meta["val"].shape)
+
+
+@pytest.mark.parametrize(("form", "group_size"), [
+    ("AWQLinear-expand", 32), ("AutoAWQ-chunk-expand", 128), ("AutoAWQ-broadcast", -1)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_other_formulations(form, group_size, dtype):
+    t = trace(make_module(form, group_size, dtype, bias=True), activations(3, dtype), dynamic=True)
+    assert_fused(t, group_size, form)
+
+
+@pytest.mark.parametrize("form", ["AWQLinear", "AutoAWQ"])
+def test_post_grad_slot_alone(form):
+    """With the joint slot skipped, the post-grad pre slot matches the reshape form of the graph."""
+    t = trace(make_module(form, 128, torch.bfloat16, bias=True), activations(3, torch.bfloat16), stage="post_grad")
+    assert "aten.reshape" in graph_str(t.after)  # the graph the slot saw had been through view_to_reshape
+    assert_fused(t, 128, form)
+
+
+def test_fused_once_when_both_slots_run():
+    t = trace(make_module("AutoAWQ", 32, torch.float16, bias=False), activations(2, torch.float16), stage="both")
+    assert_fused(t, 32, "AutoAWQ")
+
+
+def test_two_layers_and_a_residual_add():
+    """Each layer fuses; an add of a [.., N] residual is not folded in as a bias."""
+    a, b = (awq_params(64, torch.float16, bias=False, seed=s, k=K, n=K) for s in (2, 3))
+
+    def two(x):
+        h = a(x)
+        return b(h) + h
+
+    t = trace(two, activations(3, torch.float16))
+    assert t.count(AWQ_GEMM) == 2 and t.count(aten.mm.default) == 0
+    assert t.count(aten.add.Tensor) == 1
+    assert all(len(n.args) == 5 for n in t.after.graph.nodes if n.target == AWQ_GEMM)
+    assert_output_close(t.output, t.expected)
+
+
+# --------------------------------------------------------------------------- near misses stay as they are
+
+
+def assert_left_alone(t: Traced, reason: str | None = None):
+    assert t.count(AWQ_GEMM) == 0 and t.report.fused == [], graph_str(t.after)
+    assert t.count(aten.mm.default) == 1
+    assert t.before == graph_str(t.after), "a near miss must leave the graph unchanged"
+    torch.testing.assert_close(t.output, t.expected, rtol=0, atol=0)
+    if reason is not None:
+        assert any(reason in r for r in t.reasons()), t.reasons()
+
+
+def near_miss(**kw):
+    return AutoAWQLinear(awq_params(64, torch.float16, bias=True), **kw)
+
+
+NEAR_MISSES = {
+    # sequential shifts 0, 4, ..., 28 with no reorder: another bit order than AWQ's
+    "sequential-bit-order": (dict(reorder=None), "bit order"),
+    "identity-reorder": (dict(order=range(8)), "bit order"),
+    "reversed-reorder": (dict(order=range(7, -1, -1)), "bit order"),
+    "chunk-identity-reorder": (dict(reorder="chunk", order=range(8)), "bit order"),
+    "no-zero-point": (dict(zero_point=None), None),
+    "scalar-zero-point": (dict(zero_point="scalar"), "zero point is not a 4-bit unpack"),
+    "3-bit-mask": (dict(mask=7), "mask is 7"),
+    "8-bit-mask": (dict(mask=255), "mask is 255"),
+}
+
+
+@pytest.mark.parametrize("case", NEAR_MISSES)
+def test_near_miss(case):
+    kw, reason = NEAR_MISSES[case]
+    assert_left_alone(trace(near_miss(**kw), activations(3, torch.float16)), reason)
+
+
+def test_zeros_and_scales_grouped_differently():
+    mod = awq_params(64, torch.float16, bias=False)
+
+    def f(x):
+        from compile_backend.ops import awq_unpack
+
+        z = awq_unpack(mod.qzeros)[:1]  # per-channel zeros ([1, N], broadcast) with grouped scales
+        w = (awq_unpack(mod.qweight) - z).to(torch.float16) * mod.scales.repeat_interleave(64, dim=0)
+        return x @ w
+
+    assert_left_alone(trace(f, activations(2, torch.float16)))
+
+
+def test_float32_activations():
+    mod = awq_params(64, torch.float16, bias=False)
+    mod.scales = mod.scales.float()
+    x = activations(2, torch.float32)
+    t = trace(mod, x)
+    assert_left_alone(t, "activations are torch.float32")
+
+
+def test_dequantized_weight_used_twice():
+    """The dequantized weight is also an output: replacing the matmul would not remove it, so leave it."""
+    mod = awq_params(32, torch.bfloat16, bias=False)
+
+    def f(x):
+        w = mod.dequantized_weight()
+        return x @ w, w
+
+    t = trace(f, activations(2, torch.bfloat16))
+    assert t.count(AWQ_GEMM) == 0 and t.count(aten.mm.default) == 1
+    for out, exp in zip(t.output, t.expected):
+        torch.testing.assert_close(out, exp, rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------- through torch.compile
+
+
+def _compile(mod, xs, **options):
+    """Compile with the quantfuse backend (AWQ family only), return (outputs, generated code, report, compiles)."""
+    from unittest import mock
+
+    from torch._inductor.graph import GraphLowering
+
+    from compile_backend.backend import quantfuse
+
+    compiles, code = [], []
+
+    def backend(gm, example_inputs):
+        compiles.append(gm)
+        # No FX graph cache: on a cache hit the passes do not run, and the report would be empty.
+        return quantfuse(gm, example_inputs, options={"families": ("awq_gemm",), "fallback": False,
+                                                      "fx_graph_cache": False, **options})
+
+    torch._dynamo.reset()
+    compiled = torch.compile(mod, backend=backend, dynamic=True)
+    with torch.no_grad(), collecting_report() as report, \
+            mock.patch.object(GraphLowering, "save_output_code", code.append):
+        outs = [compiled(x) for x in xs]
+    torch._dynamo.reset()
+    return outs, "\n".join(code), report, len(compiles)
+
+
+@pytest.mark.compile
+def test_compile_calls_awq_gemm_dynamic_batch():
+    """Generated code calls quantfuse.awq_gemm and no longer unpacks or runs the mm; five batch
+    sizes with dynamic=True compile at most twice."""
+    mod = make_module("AutoAWQ", 128, torch.float16, bias=True)
+    xs = [torch.randn(b, 3, K, dtype=torch.float16) for b in (1, 2, 3, 5, 8)]
+    outs, code, report, compiles = _compile(mod, xs)
+    assert "torch.ops.quantfuse.awq_gemm.default(" in code
+    for unfused in ("extern_kernels.mm", "extern_kernels.addmm", "bitwise_and", "rshift", ">>"):
+        assert unfused not in code, unfused
+    assert compiles <= 2
+    assert report.counts()["awq_gemm"] >= 1
+    with torch.no_grad():
+        for x, y in zip(xs, outs):
+            assert_output_close(y, mod(x))
+
+
+@pytest.mark.compile
+def test_compile_with_freezing_keeps_the_fused_op():
+    """Freezing would constant-fold the dequantization into a dense weight; the joint-graph slot fuses first."""
+    mod = make_module("AWQLinear", 64, torch.bfloat16, bias=True)
+    x = torch.randn(4, K, dtype=torch.bfloat16)
+    (y,), code, report, _ = _compile(mod, [x], freezing=True)
+    assert "torch.ops.quantfuse.awq_gemm.default(" in code and "extern_kernels.mm" not in code
+    assert report.counts()["awq_gemm"] == 1
+    with torch.no_grad():
+        assert_output_close(y, mod(x))
+
+
+@pytest.mark.parametrize("form", ["AWQLinear-expand", "AutoAWQ", "AutoAWQ-chunk-expand"])
+def test_formulations_compute_the_awq_layer(form):
+    """The test's hand-written formulations are the same layer as AWQLinear (eager, no passes)."""
+    ref = make_module("AWQLinear", 64, torch.float16, bias=True)
+    x = activations(3, torch.float16)
+    with torch.no_grad():
+        torch.testing.assert_close(make_module(form, 64, torch.float16, bias=True)(x), ref(x), rtol=0, atol=0)
+    broadcast = make_module("AutoAWQ-broadcast", -1, torch.float16, bias=True)
+    with torch.no_grad():
+        torch.testing.assert_close(broadcast(x), make_module("AWQLinear", -1, torch.float16, bias=True)(x))
