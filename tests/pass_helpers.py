@@ -50,6 +50,7 @@ class PassResult:
     report: FusionReport  # what the passes recorded
     output: Any  # the transformed graph's output on the example inputs (eager run)
     expected: Any  # fn(*args) run eagerly, without compiling
+    compiled: Any = None  # the compiled callable (runs the transformed graph; call under no_grad)
 
     def count(self, *targets) -> int:
         return count_calls(self.after, *targets)
@@ -96,10 +97,10 @@ def apply_passes(fn, *args, dynamic: bool = False, families=None, stage: str = "
     torch._dynamo.reset()
     with torch.no_grad():
         expected = fn(*args)
+        compiled = torch.compile(fn, backend=backend, dynamic=dynamic, fullgraph=True)
         with collecting_report() as report:
-            output = torch.compile(fn, backend=backend, dynamic=dynamic, fullgraph=True)(*args)
-    torch._dynamo.reset()
-    return PassResult(captured["before"], captured["after"], report, output, expected)
+            output = compiled(*args)
+    return PassResult(captured["before"], captured["after"], report, output, expected, compiled)
 
 
 def _short(target) -> str:
