@@ -109,7 +109,8 @@ def quantfuse(gm: torch.fx.GraphModule, example_inputs, options: dict | None = N
     try:
         return compile_fx(gm, example_inputs, config_patches=patches)
     except Exception as exc:
-        if not ours["fallback"]:
+        # Dynamo's restart signals (e.g. TensorifyScalarRestartAnalysis under dynamic=True) are control flow.
+        if not ours["fallback"] or isinstance(exc, torch._dynamo.exc.RestartAnalysis):
             raise
         log.debug("quantfuse: compile with passes failed", exc_info=True)
         _warn_once("passes", f"quantfuse: compiling with the quantfuse passes failed ({exc!r}); "
