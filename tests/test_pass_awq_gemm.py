@@ -354,6 +354,28 @@ def test_near_miss(case):
     assert_left_alone(trace(near_miss(**kw), activations(3, torch.float16)), reason)
 
 
+@pytest.mark.parametrize(("step", "count", "mask", "reason"), [
+    (3, 8, 15, "bit order"),  # 8 values at 3-bit steps, 4-bit mask: overlapping fields
+    (2, 16, 3, "8 values"),  # 2-bit packing, 16 values per int32
+])
+def test_shifts_that_are_not_4bit(step, count, mask, reason):
+    torch.manual_seed(4)
+    groups, words = K // 64, N // count
+    qweight = torch.randint(-(2**31), 2**31 - 1, (K, words), dtype=torch.int32)
+    qzeros = torch.randint(-(2**31), 2**31 - 1, (groups, words), dtype=torch.int32)
+    scales = torch.rand(groups, N, dtype=torch.float16) / 64
+
+    def unpack(p):
+        shifts = torch.arange(0, step * count, step, dtype=torch.int32)
+        return ((p.unsqueeze(-1) >> shifts) & mask).reshape(p.shape[0], -1)
+
+    def f(x):
+        w = (unpack(qweight) - unpack(qzeros).repeat_interleave(64, dim=0)).to(torch.float16)
+        return x @ (w * scales.repeat_interleave(64, dim=0))
+
+    assert_left_alone(trace(f, activations(2, torch.float16)), reason)
+
+
 def test_zeros_and_scales_grouped_differently():
     mod = awq_params(64, torch.float16, bias=False)
 
