@@ -1,7 +1,7 @@
 // quantfuse AWQ W4A16 CUDA kernels (CUDA headers only; no torch).
 //
-// * awq_gemm_kernel: streams the repacked int4 weights once (16-byte cp.async per lane,
-//   L2 evict-first, a per-warp shared-memory ring of 11 steps in flight), dequantizes them in
+// * awq_gemm_kernel: streams the repacked int4 weights once (16-byte cp.async.cg per lane,
+//   L1 bypassed, a per-warp shared-memory ring of 11 steps in flight), dequantizes them in
 //   registers (lop3 + magic number, zeros and scales in half2/bfloat162 math) straight
 //   into mma.sync.m16n8k16 B fragments, and accumulates in fp32.  Each warp owns a
 //   64-column strip and a contiguous K range; the 8 warps of a block reduce through
@@ -41,12 +41,6 @@ __device__ __forceinline__ uint32_t as_u32(__half2 v) { return *reinterpret_cast
 __device__ __forceinline__ uint32_t as_u32(__nv_bfloat162 v) { return *reinterpret_cast<uint32_t*>(&v); }
 __device__ __forceinline__ __half2 as_h2(uint32_t v) { return *reinterpret_cast<__half2*>(&v); }
 __device__ __forceinline__ __nv_bfloat162 as_b2(uint32_t v) { return *reinterpret_cast<__nv_bfloat162*>(&v); }
-
-__device__ __forceinline__ uint64_t evict_first_policy() {
-  uint64_t pol;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
-  return pol;
-}
 
 // ----------------------------------------------------------------------------- per-dtype math
 
@@ -139,7 +133,8 @@ struct Dq<__nv_bfloat16> {
 
 // Per-warp ring of kRing k-steps in shared memory, filled by cp.async (16 bytes per lane
 // per step: the lane's own fragments), so that ~kRing-1 steps of weights per warp are in
-// flight without holding registers.  A step that starts a quantization group also
+// flight without holding registers.  (An L2 evict_first cache hint on these cp.async
+// faulted with "illegal instruction" on the H100 (driver 580, nvcc 13.0): left out.)  A step that starts a quantization group also
 // brings the strip's 64 scales (128 B) and 8 packed zero words (32 B).
 constexpr int kRing = 12;
 constexpr int kSlotW = 512;                  // weights: 32 lanes x 16 B
@@ -152,10 +147,6 @@ static_assert(kSmemBytes >= kWarps * 16 * kRedStride * 4, "reduction buffer alia
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   const uint32_t s = (uint32_t)__cvta_generic_to_shared(smem);
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
-}
-__device__ __forceinline__ void cp_async16_evict_first(void* smem, const void* gmem, uint64_t pol) {
-  const uint32_t s = (uint32_t)__cvta_generic_to_shared(smem);
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "l"(pol));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
@@ -194,7 +185,6 @@ __global__ void __launch_bounds__(kThreads) awq_gemm_kernel(
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[mt][t][i] = 0.0f;
 
-  const uint64_t pol = evict_first_policy();
   unsigned char* ring = smem + warp * (kRing * kSlot);
   const uint4* wl = wp + (size_t)strip * KT * 32 + lane;
   const T* s_strip = scales + strip * kStripN;
@@ -206,7 +196,7 @@ __global__ void __launch_bounds__(kThreads) awq_gemm_kernel(
     if (i < steps) {
       unsigned char* slot = ring + (i % kRing) * kSlot;
       const int kt = wb + i;
-      cp_async16_evict_first(slot + lane * 16, wl + (size_t)kt * 32, pol);
+      cp_async16(slot + lane * 16, wl + (size_t)kt * 32);
       if (group_start(i) && lane < 10) {
         const int g = (kt << 4) / group_size;
         if (lane < 8)
