@@ -56,17 +56,17 @@ Nothing is trusted from the structure alone; every candidate is checked
   chain (the pattern matcher's single-user rule), so e.g. a dequantized weight
   that is also used elsewhere stays.
 
-Slot: ``joint_custom_pre_pass``, with ``post_grad_custom_pre_pass`` as a second
-chance.  The joint-graph slot runs before ``freezing`` constant-folds weight
-chains (which would turn the whole dequantization into a dense fp16 weight
-and leave nothing to match) and before Inductor's own joint/post-grad
-rewrites, so the graph is still what the user wrote (aten.view, not
-aten.reshape).  The post-grad pre slot sees the graph after
-``view_to_reshape``; every view in the patterns accepts ``aten.view``,
-``aten.reshape`` and ``aten._unsafe_view``, so the same patterns work in both.
-It catches chains only when joint passes did not run (e.g.
-``use_joint_graph_passes=False``); a chain fused in the joint slot is gone by
-then, so nothing is fused twice.
+Slot: ``joint_custom_pre_pass`` only.  The joint-graph slot runs before
+``freezing`` constant-folds weight chains (which would turn the whole
+dequantization into a dense fp16 weight and leave nothing to match) and before
+Inductor's own joint/post-grad rewrites (mm + add -> addmm, pointless view and
+cast removal), so the graph is still what the user wrote; Inductor runs it for
+inference and for ``freezing``, in ``torch.compile`` and AOT compiles alike.
+The patterns nevertheless accept ``aten.view``, ``aten.reshape`` and
+``aten._unsafe_view`` wherever a view occurs, so they also match the graph the
+post-grad slots see (after ``view_to_reshape``; tested): moving them or adding
+``post_grad_custom_pre_pass`` as a second chance (only useful with
+``use_joint_graph_passes=False``) is a change of ``PASS_SLOTS``.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ from .report import note_reason, record_fused
 aten, prims = torch.ops.aten, torch.ops.prims
 
 FAMILY = "awq_gemm"
-PASS_SLOTS = ("joint_custom_pre_pass", "post_grad_custom_pre_pass")
+PASS_SLOTS = ("joint_custom_pre_pass",)
 MASK = 2**4 - 1
 
 VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)

@@ -55,24 +55,22 @@ class Traced:
 
 
 def trace(fn, *args, dynamic=False, stage="joint") -> Traced:
-    """Trace ``fn`` to the graph Inductor's custom passes see, run our AWQ passes, run the result.
+    """Trace ``fn`` to the graph Inductor's joint-graph slot sees, run our AWQ passes, run the result.
 
-    ``stage``: "joint" runs the joint-graph slot; "post_grad" only the post-grad
-    pre slot, after ``view_to_reshape`` (what that slot sees); "both" one after
-    the other, as Inductor does.
+    ``stage="reshape"`` first rewrites views into reshapes (``view_to_reshape``,
+    what Inductor does before the post-grad slots): the patterns must match that
+    form as well.
     """
     passes = make_graph_passes({"families": ("awq_gemm",)})
     captured = {}
 
     def fw_compiler(gm, example_inputs):
-        captured["before"] = graph_str(gm)
-        if stage in ("joint", "both"):
-            passes["joint_custom_pre_pass"](gm.graph)
-        if stage in ("post_grad", "both"):
+        if stage == "reshape":
             from torch._inductor.fx_passes.post_grad import view_to_reshape
 
             view_to_reshape(gm)
-            passes["post_grad_custom_pre_pass"](gm.graph)
+        captured["before"] = graph_str(gm)
+        passes["joint_custom_pre_pass"](gm.graph)
         gm.graph.lint()
         gm.recompile()
         captured["after"] = gm
@@ -292,16 +290,11 @@ def test_other_formulations(form, group_size, dtype):
 
 
 @pytest.mark.parametrize("form", ["AWQLinear", "AutoAWQ"])
-def test_post_grad_slot_alone(form):
-    """With the joint slot skipped, the post-grad pre slot matches the reshape form of the graph."""
-    t = trace(make_module(form, 128, torch.bfloat16, bias=True), activations(3, torch.bfloat16), stage="post_grad")
-    assert "aten.reshape" in graph_str(t.after)  # the graph the slot saw had been through view_to_reshape
+def test_reshape_form(form):
+    """The graph as the post-grad slots see it (aten.reshape instead of aten.view) matches too."""
+    t = trace(make_module(form, 128, torch.bfloat16, bias=True), activations(3, torch.bfloat16), stage="reshape")
+    assert "aten.reshape" in t.before and "aten.view(" not in t.before
     assert_fused(t, 128, form)
-
-
-def test_fused_once_when_both_slots_run():
-    t = trace(make_module("AutoAWQ", 32, torch.float16, bias=False), activations(2, torch.float16), stage="both")
-    assert_fused(t, 32, "AutoAWQ")
 
 
 def test_two_layers_and_a_residual_add():
