@@ -10,7 +10,7 @@ its custom passes::
     y   = mm(x, W) [+ bias]              # bias [N]; 3-D x: view -> mm -> view (+ bias)
 
 ``unpack`` is any chain ``unsqueeze(p, -1) >> shifts`` followed by (in any
-order) one ``& 15``, reshapes, integer casts and at most one column gather
+order) one ``& 15``, reshapes, casts (integer before the mask) and at most one column gather
 ``t[:, perm]``.  That covers ``AWQLinear`` (shifts in AWQ order, mask,
 reshape) and AutoAWQ's formulation (``bitwise_right_shift`` by
 ``arange(0, 32, 4)``, view to ``[K, N]``, index with the reverse order, then

@@ -322,6 +322,8 @@ def assert_left_alone(t: Traced, reason: str | None = None):
     torch.testing.assert_close(t.output, t.expected, rtol=0, atol=0)
     if reason is not None:
         assert any(reason in r for r in t.reasons()), t.reasons()
+        # ... and the report (compile_backend.explain) gives that reason for the matmul left alone.
+        assert any(reason in u.reason for u in t.report.unfused), t.report
 
 
 def near_miss(**kw):
