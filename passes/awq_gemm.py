@@ -52,7 +52,8 @@ Nothing is trusted from the structure alone; every candidate is checked
   bias ``[N]``, one group size ``G`` for zeros and scales recovered from the
   expand shape (or K for broadcasting), ``G · K/G = K``; all of them static
   integers (a symbolic weight shape is left alone);
-* no ``alpha`` on the ``sub``/``add``; intermediate nodes used only inside the
+* the subtraction in a signed or float dtype (unsigned wraps around below
+  zero); no ``alpha`` on the ``sub``/``add``; intermediate nodes used only inside the
   chain (the pattern matcher's single-user rule), so e.g. a dequantized weight
   that is also used elsewhere stays.
 
@@ -395,6 +396,10 @@ def _analyze(v: _Variant, match: Match) -> _Fusion | str:
     sub = diff_side.args[0] if v.cast else diff_side
     if not _no_alpha(sub):
         return "the zero point is subtracted with an alpha"
+    diff = _tensor(sub)
+    if diff is None or not (diff.dtype.is_floating_point or diff.dtype.is_signed):
+        # e.g. uint8: 3 - 5 wraps around to 254 in the graph; awq_gemm computes -2.
+        return f"the zero point is subtracted in {getattr(diff, 'dtype', None)}, which wraps around"
 
     x, scales, W, y = _tensor(kw["x"]), _tensor(kw["scales"]), _tensor(weight), _tensor(mm)
     if x is None or scales is None or W is None or y is None:

@@ -384,6 +384,20 @@ def test_zeros_and_scales_grouped_differently():
     assert_left_alone(trace(f, activations(2, torch.float16)))
 
 
+def test_unsigned_subtraction():
+    """uint8 (w - z) wraps around below zero in the graph; the fused op would not, so leave it."""
+    from compile_backend.ops import awq_unpack
+
+    mod = awq_params(64, torch.float16, bias=False)
+
+    def f(x):
+        w = awq_unpack(mod.qweight).to(torch.uint8)
+        z = awq_unpack(mod.qzeros).to(torch.uint8).repeat_interleave(64, dim=0)
+        return x @ ((w - z).to(torch.float16) * mod.scales.repeat_interleave(64, dim=0))
+
+    assert_left_alone(trace(f, activations(2, torch.float16)), "wraps around")
+
+
 def test_float32_activations():
     mod = awq_params(64, torch.float16, bias=False)
     mod.scales = mod.scales.float()
