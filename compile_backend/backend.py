@@ -118,6 +118,8 @@ def quantfuse(gm: torch.fx.GraphModule, example_inputs, options: dict | None = N
     try:
         return compile_fx(gm, example_inputs, config_patches=inductor_patches)
     except Exception as exc:
+        if isinstance(exc, torch._dynamo.exc.RestartAnalysis):
+            raise
         log.debug("quantfuse: plain Inductor compile failed", exc_info=True)
         _warn_once("inductor", f"quantfuse: Inductor failed on this graph too ({exc!r}); running it in eager.")
         return gm.forward
