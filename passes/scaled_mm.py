@@ -40,7 +40,11 @@ would fold the ``int8 → float`` casts), so the graph is what AOTAutograd made
 of the user's code: ``aten.view`` and ``aten.permute``.  The patterns still
 accept ``aten.reshape`` / ``aten._unsafe_view`` wherever they take a view, so
 they also hold on a post-grad graph.  (3) For inference graphs Inductor runs
-the joint passes on the forward graph too, so one slot covers both.
+the joint passes on the forward graph too, so one slot covers both.  The same
+patterns are also registered in ``post_grad_custom_pre_pass`` as a second
+chance (a graph the joint passes did not see); there a chain fused in the
+joint slot is already gone, and a chain that freezing folded is not
+quantized-looking any more.
 """
 
 from __future__ import annotations
@@ -67,6 +71,10 @@ from . import report
 
 FAMILY = "scaled_mm"
 SLOT = "joint_custom_pre_pass"
+# Second chance when the joint passes did not run on a graph (or another pass in the
+# joint slot hid a chain from us): the post-grad pre slot, before Inductor's own
+# post-grad rewrites.  A chain fused in the joint slot is gone by then.
+SLOTS = ("joint_custom_pre_pass", "post_grad_custom_pre_pass")
 
 aten, prims = torch.ops.aten, torch.ops.prims
 CONVERT = prims.convert_element_type.default
@@ -256,7 +264,7 @@ def replace_with_plan(match: Match, plan: Plan) -> None:
     match.replace_by_example(replacement, [plan.inputs[k] for k in node_names])
 
 
-def register_checked(pattern: PatternExpr, passes: PatternMatcherPass, family: str, form: str,
+def register_checked(pattern: PatternExpr, passes, family: str, form: str,
                      plan_fn: Callable[[Match], Plan]) -> None:
     """Register ``pattern``; ``plan_fn`` checks a match (raising ``Reject``) and plans its replacement."""
 
@@ -402,7 +410,7 @@ def bias_vector(graph: torch.fx.Graph, bias: Node, dtype: torch.dtype, before: N
     return bias
 
 
-def register_epilogue_rules(passes: PatternMatcherPass, sig: OpSignature) -> None:
+def register_epilogue_rules(passes, sig: OpSignature) -> None:
     """``+ bias``, ``.to(dt)`` and views between them, folded into ``sig.op`` (see module doc)."""
     schema_args = sig.op._schema.arguments
     required = sum(1 for a in schema_args if not a.has_default_value())
@@ -497,7 +505,7 @@ def register_epilogue_rules(passes: PatternMatcherPass, sig: OpSignature) -> Non
 
 
 def register(passes: dict[str, PatternMatcherPass]) -> None:
-    target = passes[SLOT]
+    target = [passes[slot] for slot in SLOTS]
     for form, pattern in dequant_matmul_patterns(zero_point=False):
         viewed = form.endswith("-3d")
         register_checked(pattern, target, FAMILY, form,

@@ -4,8 +4,9 @@ Form 2c: ``((a.to(dt) - z_a) * s_a)`` [viewed to 2-D] and ``(w.to(dt) * s_b).t()
 into ``mm`` / ``addmm`` (``F.linear``, ``x @ w.t()``, ``torch.mm``,
 ``torch.matmul``), int8 only, with the same variants, checks and epilogue rules
 as ``scaled_mm`` (its pattern pieces are shared, generated from the same
-builders with ``zero_point=True``).  Slot: ``joint_custom_pre_pass``, for the
-reasons ``scaled_mm``'s docstring gives.
+builders with ``zero_point=True``).  Slots: ``joint_custom_pre_pass``, and
+``post_grad_custom_pre_pass`` as a second chance, for the reasons
+``scaled_mm``'s docstring gives.
 
 The zero point must be per-tensor (one element: ``azp=None``,
 ``azp_adj = z_a · colsum(b)``) or per-token (``[*lead, 1]``: ``azp`` int32
@@ -34,7 +35,7 @@ from torch.fx import Node
 import compile_backend.weight_cache  # noqa: F401  (registers quantfuse::weight_colsum)
 
 from .scaled_mm import (
-    SLOT,
+    SLOTS,
     OpSignature,
     Plan,
     Reject,
@@ -134,7 +135,7 @@ def plan_dequant_matmul_azp(match: Match, *, form: str, viewed: bool) -> Plan:
 
 
 def register(passes: dict[str, PatternMatcherPass]) -> None:
-    target = passes[SLOT]
+    target = [passes[slot] for slot in SLOTS]
     for form, pattern in dequant_matmul_patterns(zero_point=True):
         form = form.replace("dequant-", "dequant-azp-")
         register_checked(pattern, target, FAMILY, form,

@@ -66,13 +66,16 @@ def _run_slot(slot_pass, gm):
     gm.recompile()
 
 
-def apply_passes(fn, *args, dynamic: bool = False, families=None, stage: str = "joint") -> PassResult:
+def apply_passes(fn, *args, dynamic: bool = False, families=None, stage: str = "joint",
+                 skip_joint: bool = False) -> PassResult:
     """Trace ``fn(*args)`` as Inductor would (inference, no grad), run our passes, run the result.
 
     ``stage="joint"`` runs the passes Inductor's joint slot gets; ``"post_grad"``
     additionally rewrites ``aten.view`` into ``aten.reshape`` (as Inductor does
     before its post-grad passes) and then runs the post-grad slot's pass.
-    ``families`` restricts the pattern families (default: all).
+    ``families`` restricts the pattern families (default: all).  ``skip_joint``
+    (with ``stage="post_grad"``) leaves the joint slot out, as when Inductor's
+    joint passes do not run on a graph.
     """
     if stage not in ("joint", "post_grad"):
         raise ValueError(f"apply_passes: stage {stage!r}; expected 'joint' or 'post_grad'")
@@ -82,7 +85,7 @@ def apply_passes(fn, *args, dynamic: bool = False, families=None, stage: str = "
 
     def fw_compiler(gm, example_inputs):
         captured["before"] = copy.deepcopy(gm)
-        if "joint_custom_pre_pass" in passes:
+        if "joint_custom_pre_pass" in passes and not skip_joint:
             _run_slot(passes["joint_custom_pre_pass"], gm)
         if stage == "post_grad":
             from torch._inductor.fx_passes.post_grad import view_to_reshape

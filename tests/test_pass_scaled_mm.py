@@ -354,3 +354,20 @@ def test_bf16_bias_into_float32_output_is_not_rounded():
     assert op.args[4] == torch.float32 and op.args[5] is not None
     assert count_calls(r.after, torch.ops.prims.convert_element_type.default) >= 1
     torch.testing.assert_close(r.output, r.expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("form", ["matmul_t", "linear"])
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_post_grad_slot_matches_reshape_graphs(form, dynamic):
+    """Second chance in the post-grad pre slot: after view_to_reshape the graph holds
+    aten.reshape, not aten.view (DESIGN.md's pitfall); the patterns accept both."""
+    a, w, sa, sb, bias = _inputs(lead=(2, 3), bias_dtype=torch.bfloat16)
+    fn = _dequant_fn(form, torch.float32, "epilogue", torch.bfloat16)
+    r = apply_passes(fn, a, w, sa, sb, bias, dynamic=dynamic, stage="post_grad", skip_joint=True)
+    assert count_calls(r.before, aten.view.default) >= 1  # as traced; the post-grad graph has reshapes
+    assert r.fused == 1 and r.count(*MATMULS) == 0, graph_str(r.after)
+    # The output reshape [M, N] -> [2, 3, N] sat between the matmul and its bias/cast:
+    # the epilogue rules sank an aten.reshape, as they sink an aten.view in the joint graph.
+    assert r.count(aten.reshape.default) == 1, graph_str(r.after)
+    assert r.report.counts() == {"scaled_mm": 1} and r.report.unfused == []
+    _close(TestCase(), r.output, r.expected, torch.float32)
