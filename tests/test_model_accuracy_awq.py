@@ -16,10 +16,10 @@ import copy
 
 import pytest
 import torch
-from compile_backend.passes import collecting_report
 from test_pass_awq_gemm import AWQ_GEMM, trace
 
 from compile_backend.llama import tiny_llama
+from compile_backend.passes import collecting_report
 from compile_backend.quantize import AWQLinear, quantize_model
 
 DTYPES = (torch.float16, torch.bfloat16)

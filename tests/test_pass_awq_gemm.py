@@ -18,14 +18,14 @@ from typing import Any
 
 import pytest
 import torch
-from compile_backend.passes import FusionReport, collecting_report, make_graph_passes
-from compile_backend.passes.report import noted_reasons
 from expecttest import TestCase
 from pass_helpers import count_calls, graph_str
 from torch import nn
 from torch._dynamo.backends.common import aot_autograd
 from torch._inductor.decomposition import select_decomp_table
 
+from compile_backend.passes import FusionReport, collecting_report, make_graph_passes
+from compile_backend.passes.report import noted_reasons
 from compile_backend.quantize import AWQLinear
 
 aten = torch.ops.aten
