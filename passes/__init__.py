@@ -3,8 +3,9 @@
 Each pattern family lives in its own module, named like its op
 (``scaled_mm``, ``scaled_mm_azp``, ``awq_gemm``), and exposes
 ``register(passes: dict[str, PatternMatcherPass]) -> None`` that adds its
-search/replace pairs to the pass of each Inductor slot it uses.  ``make_graph_passes(options)`` returns the Inductor custom-pass slots to
-fill and the pass for each; the backend installs them per compile through
+search/replace pairs to the pass of each Inductor slot it uses.
+``make_graph_passes(options)`` returns the Inductor custom-pass slots to fill
+and the pass for each; the backend installs them per compile through
 ``config_patches``.  ``report`` collects what was fused and what was not.
 """
 
