@@ -371,3 +371,19 @@ def test_post_grad_slot_matches_reshape_graphs(form, dynamic):
     assert r.count(aten.reshape.default) == 1, graph_str(r.after)
     assert r.report.counts() == {"scaled_mm": 1} and r.report.unfused == []
     _close(TestCase(), r.output, r.expected, torch.float32)
+
+
+def test_python_number_scales():
+    """A scale given as a Python number (``* 0.02``) is per-tensor; the op gets it as a tensor."""
+    a, w, sa, sb, bias = _inputs()
+
+    def fn(a, w, sa, sb, bias):
+        return (torch._int_mm(a, w.t()).float() * 0.02 * sb).to(torch.bfloat16)
+
+    def fn2(a, w, sa, sb, bias):
+        return F.linear(a.float() * 0.015, w.float() * sb.unsqueeze(-1)).to(torch.float16)
+
+    for f in (fn, fn2):
+        r = apply_passes(f, a, w, sa, sb, bias)
+        assert r.fused == 1 and r.count(*MATMULS) == 0, graph_str(r.after)
+        _close(TestCase(), r.output, r.expected, torch.float32)
