@@ -41,7 +41,18 @@ struct EnableSm90Only : Kernel {
 };
 
 // ---------------------------------------------------------------------- tile configs
-// 0: decode / small M (M <= 64): 64x32x256 tiles, one consumer warpgroup, 4 stages so
+// 3: decode (M <= 32), swapped: D^T = B^T A^T with 64 (of N) x 32 (of M) x 256 tiles: the
+//    weight fills the 64-row wgmma operand, the few tokens the narrow side.  N/64 CTAs,
+//    each streaming its 64 weight rows through a deep (auto, ~7 stage) TMA pipeline.
+struct ConfigSwapSmall {
+  using Tile = Shape<_64, _32, _256>;
+  using Cluster = Shape<_1, _1, _1>;
+  using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecialized;
+  using EpiSchedule = cutlass::epilogue::TmaWarpSpecialized;
+  static constexpr int kStages = 0;
+  static constexpr bool kSwap = true;
+};
+// 0: small M (M <= 64): 64x32x256 tiles, one consumer warpgroup, 4 stages so
 //    that two CTAs fit on an SM; many CTAs along N to stream the weight at DRAM speed.
 struct ConfigSmall {
   using Tile = Shape<_64, _32, _256>;
@@ -49,6 +60,7 @@ struct ConfigSmall {
   using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecialized;
   using EpiSchedule = cutlass::epilogue::TmaWarpSpecialized;
   static constexpr int kStages = 4;
+  static constexpr bool kSwap = false;
 };
 // 1: medium M (64 < M <= 256): 64x128x128 ping-pong (two consumer warpgroups alternate
 //    tiles so one's epilogue overlaps the other's mainloop), cluster 2x1.
@@ -58,6 +70,7 @@ struct ConfigMedium {
   using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
   using EpiSchedule = cutlass::epilogue::TmaWarpSpecialized;
   static constexpr int kStages = 0;  // auto
+  static constexpr bool kSwap = false;
 };
 // 2: large M: 128x128x128 ping-pong, cluster 2x1 (A/B multicast within the cluster).
 struct ConfigLarge {
@@ -66,20 +79,25 @@ struct ConfigLarge {
   using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
   using EpiSchedule = cutlass::epilogue::TmaWarpSpecialized;
   static constexpr int kStages = 0;
+  static constexpr bool kSwap = false;
 };
 
 inline int choose_config(int64_t M, int64_t /*N*/) {
+  if (M <= 32) return 3;
   if (M <= 64) return 0;
   if (M <= 256) return 1;
   return 2;
 }
 
-template <class ElementAB, class ElementD, template <class, class> class Epi, class Config>
+template <class ElementAB, class ElementD, template <class, class, bool> class Epi, class Config>
 struct Sm90Gemm {
   using ElementAcc = std::conditional_t<std::is_same_v<ElementAB, int8_t>, int32_t, float>;
   using Tile = typename Config::Tile;
   using Cluster = typename Config::Cluster;
-  using Epilogue = Epi<Tile, ElementD>;
+  static constexpr bool kSwap = Config::kSwap;
+  using Epilogue = Epi<Tile, ElementD, kSwap>;
+  // D [M, N] row-major; swapped, the kernel writes D^T [N, M], i.e. column-major.
+  using LayoutD = std::conditional_t<kSwap, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
   using EVT = typename Epilogue::EVT;
 
   static constexpr int kAlignAB = 16;  // elements (1 byte each): 16-byte TMA alignment
@@ -88,8 +106,8 @@ struct Sm90Gemm {
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
       cutlass::epilogue::collective::EpilogueTileAuto, ElementAcc, float,
-      void, cutlass::layout::RowMajor, kAlignD,       // no C operand: bias comes from the EVT
-      ElementD, cutlass::layout::RowMajor, kAlignD,
+      void, LayoutD, kAlignD,       // no C operand: bias comes from the EVT
+      ElementD, LayoutD, kAlignD,
       typename Config::EpiSchedule, EVT>::CollectiveOp;
 
   using Stages = std::conditional_t<
@@ -113,19 +131,34 @@ struct Sm90Gemm {
     using StrideB = typename KernelBase::StrideB;
     using StrideD = typename KernelBase::StrideD;
     using StrideC = typename KernelBase::StrideC;
+    // Unswapped: A = activations (M, K), B = weights (N, K), both K-contiguous; D (M, N)
+    // N-contiguous.  Swapped: A = weights, B = activations, D^T (N, M) with N contiguous.
+    const void* ptr_a = kSwap ? p.b : p.a;
+    const void* ptr_b = kSwap ? p.a : p.b;
     StrideA stride_a{};
-    get<0>(stride_a) = p.lda;  // (M, K, L): K contiguous
+    get<0>(stride_a) = kSwap ? p.ldb : p.lda;
     StrideB stride_b{};
-    get<0>(stride_b) = p.ldb;  // (N, K, L): K contiguous (b is column-major [K, N])
+    get<0>(stride_b) = kSwap ? p.lda : p.ldb;
     StrideD stride_d{};
-    get<0>(stride_d) = p.ldd;  // (M, N, L): N contiguous
+    if constexpr (kSwap) {
+      get<1>(stride_d) = p.ldd;
+    } else {
+      get<0>(stride_d) = p.ldd;
+    }
     StrideC stride_c = stride_d;
+    const int gm = static_cast<int>(kSwap ? p.N : p.M);
+    const int gn = static_cast<int>(kSwap ? p.M : p.N);
 
     typename Gemm::Arguments args{
         cutlass::gemm::GemmUniversalMode::kGemm,
-        {static_cast<int>(p.M), static_cast<int>(p.N), static_cast<int>(p.K), 1},
-        {static_cast<const ElementAB*>(p.a), stride_a, static_cast<const ElementAB*>(p.b), stride_b},
+        {gm, gn, static_cast<int>(p.K), 1},
+        {static_cast<const ElementAB*>(ptr_a), stride_a, static_cast<const ElementAB*>(ptr_b), stride_b},
         {Epilogue::args(p), nullptr, stride_c, static_cast<ElementD*>(p.d), stride_d}};
+    if constexpr (!std::is_same_v<ElementAB, int8_t>) {
+      // fp8: promote the wgmma accumulators to fp32 once per k-tile (CUTLASS requires a
+      // multiple of the MMAs per k-tile; 4 MMAs of K=32 for 128-deep tiles, 8 for 256).
+      args.mainloop.mma_promotion_interval = cute::max(4, int(size<2>(Tile{})) / 32);
+    }
     args.hw_info.device_id = p.device;
     args.hw_info.sm_count = sm_count(p.device);
 
@@ -155,13 +188,14 @@ struct Sm90Gemm {
   }
 };
 
-template <class ElementAB, class ElementD, template <class, class> class Epi>
+template <class ElementAB, class ElementD, template <class, class, bool> class Epi>
 int dispatch(const ScaledMmParams& p) {
   int cfg = p.config >= 0 ? p.config : choose_config(p.M, p.N);
   switch (cfg) {
     case 0: return Sm90Gemm<ElementAB, ElementD, Epi, ConfigSmall>::run(p);
     case 1: return Sm90Gemm<ElementAB, ElementD, Epi, ConfigMedium>::run(p);
     case 2: return Sm90Gemm<ElementAB, ElementD, Epi, ConfigLarge>::run(p);
+    case 3: return Sm90Gemm<ElementAB, ElementD, Epi, ConfigSwapSmall>::run(p);
     default: return kQUnsupported;
   }
 }

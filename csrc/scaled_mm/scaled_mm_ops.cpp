@@ -8,6 +8,8 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <cstdio>
+#include <stdexcept>
 #include <vector>
 
 #include "scaled_mm/scaled_mm_launch.h"
@@ -158,8 +160,13 @@ at::Tensor scaled_mm_cutlass(const at::Tensor& a, const at::Tensor& b, const at:
     // sends non-Hopper GPUs to the reference implementation.
     TORCH_CHECK(false, "_scaled_mm_cutlass: only the SM90 kernels are built (arch ", arch, ")");
   }
-  TORCH_CHECK(status == kQOk, "_scaled_mm_cutlass (arch ", arch, ", M=", M, " N=", N, " K=", K,
-              "): ", status_string(status));
+  if (status != kQOk) {
+    char msg[256];
+    std::snprintf(msg, sizeof(msg), "_scaled_mm_cutlass (arch %d, config %d, M=%lld N=%lld K=%lld): %s",
+                  static_cast<int>(arch), static_cast<int>(config), static_cast<long long>(M),
+                  static_cast<long long>(N), static_cast<long long>(K), status_string(status));
+    throw std::runtime_error(msg);
+  }
   return out;
 }
 
