@@ -89,10 +89,19 @@ def main():
     ap.add_argument("--shapes", default="all")
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--sanitize", action="store_true", help="a few small calls of every kernel, for compute-sanitizer")
+    ap.add_argument("--one", default=None, help="N,K,M[,warps]: three calls of the fused kernel (for ncu)")
     args = ap.parse_args()
     assert kernels.ensure_loaded(), kernels.status()
     if args.sanitize:
         return sanitize()
+    if args.one:
+        N, K, M, *w = (int(v) for v in args.one.split(","))
+        x, qw, s, qz = make_set(M, N, K, torch.Generator(device=DEV).manual_seed(0))
+        packed = awq_cuda.packed_weight(qw)
+        for _ in range(3):
+            torch.ops.quantfuse._awq_gemm_cuda(x, packed, s, qz, G, None, w[0] if w else 0)
+        torch.cuda.synchronize()
+        return None
     from triton.testing import do_bench
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -127,6 +136,10 @@ def main():
                 packed = [awq_cuda.packed_weight(s[1]) for s in sets]
                 row["ours_kernel"] = bench_graph(
                     [lambda s=s, p=p: torch.ops.quantfuse._awq_gemm_cuda(s[0], p, s[2], s[3], G, None)
+                     for s, p in zip(sets, packed)], do_bench)
+            if M <= 64:
+                row["ours_kernel_w8"] = bench_graph(
+                    [lambda s=s, p=p: torch.ops.quantfuse._awq_gemm_cuda(s[0], p, s[2], s[3], G, None, 8)
                      for s, p in zip(sets, packed)], do_bench)
             if M >= 16:
                 row["ours_dq_cublas"] = bench_graph(
@@ -209,15 +222,16 @@ def render(meta, rows):
            "TB/s = int4 weight+scales+zeros bytes / time.\n"]
     for (N, K) in sorted({(r["N"], r["K"]) for r in rows}, key=lambda t: (t[0] * t[1])):
         out.append(f"\n### N={N}, K={K} (int4 weight+scales+zeros {weight_bytes(N, K) / 1e6:.1f} MB)\n")
-        out.append("| M | ours | TB/s | kernel | dq+cuBLAS | fp16 cuBLAS | tinygemm | Inductor | "
-                   "vs cuBLAS | vs tinygemm | vs Inductor |")
-        out.append("|---|---|---|---|---|---|---|---|---|---|---|")
+        out.append("| M | ours | TB/s | kernel (4 warps) | kernel (8 warps) | dq+cuBLAS | fp16 cuBLAS | tinygemm | "
+                   "Inductor | vs cuBLAS | vs tinygemm | vs Inductor |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             if (r["N"], r["K"]) != (N, K):
                 continue
             f = lambda k: f"{r[k]:.1f}" if k in r else "-"
             tbs = r["weight_bytes"] / (r["ours"] * 1e-6) / 1e12
-            out.append(f"| {r['M']} | {f('ours')} | {tbs:.2f} | {f('ours_kernel')} | {f('ours_dq_cublas')} | "
+            out.append(f"| {r['M']} | {f('ours')} | {tbs:.2f} | {f('ours_kernel')} | {f('ours_kernel_w8')} | "
+                       f"{f('ours_dq_cublas')} | "
                        f"{f('cublas_fp16')} | {f('tinygemm')} | {f('inductor')} | "
                        f"{r['cublas_fp16'] / r['ours']:.2f}x | {r['tinygemm'] / r['ours']:.2f}x | "
                        f"{r['inductor'] / r['ours']:.2f}x |")
@@ -237,7 +251,8 @@ def plot(rows, path):
     fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4), squeeze=False)
     for ax, (N, K) in zip(axes[0], shapes):
         rs = [r for r in rows if (r["N"], r["K"]) == (N, K)]
-        for key in ("ours", "ours_kernel", "ours_dq_cublas", "cublas_fp16", "tinygemm", "inductor"):
+        for key in ("ours", "ours_kernel", "ours_kernel_w8", "ours_dq_cublas", "cublas_fp16", "tinygemm",
+                    "inductor"):
             pts = [(r["M"], r[key]) for r in rs if key in r]
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=key)

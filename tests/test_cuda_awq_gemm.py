@@ -126,6 +126,23 @@ def test_llama_shapes(M, N, K):
     run_case(M, N, K, group, dtype, seed=i, bias=(i % 3 == 0))
 
 
+@pytest.mark.parametrize("warps", (4, 8))
+@pytest.mark.parametrize("M", (1, 5, 16, 17, 33, 64, 130))
+def test_kernel_block_variants(M, warps):
+    """The fused kernel itself (both block sizes, any M) on the repacked weight."""
+    for i, (N, K, group) in enumerate(((4096, 4096, 128), (640, 14336, 32), (28672, 512, -1))):
+        gen = torch.Generator(device=DEV).manual_seed(97 * M + warps + i)
+        dtype = (torch.float16, torch.bfloat16)[(M + i) % 2]
+        qw, s, qz, G, q, z = make_awq(K, N, group, dtype, gen)
+        x = make_x(M, K, dtype, gen)
+        b = (torch.randn(N, generator=gen, device=DEV) * 10).to(dtype)
+        poison(M * N, dtype)
+        out = torch.ops.quantfuse._awq_gemm_cuda(x, awq_cuda.packed_weight(qw), s, qz, G, b, warps)
+        torch.cuda.synchronize()
+        ref, mag = reference64(x, q, z, s, G, b)
+        check_close(out, ref, mag, dtype, f"warps={warps} M={M} N={N} K={K}")
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_llama_m4096(dtype):
     run_case(4096, 4096, 4096, 128, dtype, seed=7)

@@ -29,14 +29,15 @@ cudaError_t launch_dequantize(DType dtype, const uint32_t* qweight, const void* 
                               cudaStream_t stream);
 
 // Number of K splits the GEMM launch will use for this shape (1: no workspace needed).
-int gemm_splits(DType dtype, int M, int N, int K, int device);
+// warps: warps per block of the GEMM kernel, 4 or 8; 0 = the default.
+int gemm_splits(DType dtype, int M, int N, int K, int device, int warps = 0);
 
 // out[M, N] = x[M, K] @ W + bias, W dequantized in registers from the repacked layout.
 // partial: fp32 workspace of splits*M*N floats when splits > 1 (else unused, may be null).
 // N % 64 == 0, K % 16 == 0, group_size % 16 == 0, K % group_size == 0.
 cudaError_t launch_gemm(DType dtype, const void* x, const uint32_t* wpacked, const void* scales,
                         const uint32_t* qzeros, const void* bias, void* out, float* partial,
-                        int M, int N, int K, int group_size, int splits, cudaStream_t stream);
+                        int M, int N, int K, int group_size, int splits, int warps, cudaStream_t stream);
 
 }  // namespace awq
 }  // namespace quantfuse

@@ -22,8 +22,7 @@ namespace quantfuse {
 namespace awq {
 namespace {
 
-constexpr int kWarps = 8;
-constexpr int kThreads = kWarps * 32;
+constexpr int kDefaultWarps = 4;  // warps per block of the GEMM kernel (4 or 8)
 constexpr int kRedStride = kStripN + 8;  // padded row of the reduction buffer (floats)
 
 // Logical column 8c+i of a packed int32 sits at nibble kOrder(i) = [0,4,1,5,2,6,3,7][i].
@@ -141,8 +140,8 @@ constexpr int kSlotW = 512;                  // weights: 32 lanes x 16 B
 constexpr int kSlotS = kStripN * 2;          // scales of the strip (fp16/bf16)
 constexpr int kSlotZ = 32;                   // 8 packed zero words
 constexpr int kSlot = kSlotW + kSlotS + kSlotZ;
-constexpr int kSmemBytes = kWarps * kRing * kSlot;
-static_assert(kSmemBytes >= kWarps * 16 * kRedStride * 4, "reduction buffer aliases the ring");
+constexpr int smem_bytes(int warps) { return warps * kRing * kSlot; }
+static_assert(kRing * kSlot >= 16 * kRedStride * 4, "reduction buffer aliases the ring");
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   const uint32_t s = (uint32_t)__cvta_generic_to_shared(smem);
@@ -152,10 +151,10 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
-// Grid: x = N/64 strips, y = K splits, z = M tiles of 16*MT rows.  Block: 8 warps, each
+// Grid: x = N/64 strips, y = K splits, z = M tiles of 16*MT rows.  Block: W warps, each
 // a contiguous share of the block's K range for the block's 64-column strip.
-template <typename T, int MT>
-__global__ void __launch_bounds__(kThreads) awq_gemm_kernel(
+template <typename T, int MT, int W>
+__global__ void __launch_bounds__(W * 32) awq_gemm_kernel(
     const T* __restrict__ x, const uint4* __restrict__ wp, const T* __restrict__ scales,
     const uint32_t* __restrict__ qzeros, const T* __restrict__ bias, T* __restrict__ out,
     float* __restrict__ partial, int M, int N, int K, int group_size, int splits) {
@@ -172,7 +171,7 @@ __global__ void __launch_bounds__(kThreads) awq_gemm_kernel(
   const int per_block = (KT + splits - 1) / splits;
   const int kb = min(KT, split * per_block);
   const int ke = min(KT, kb + per_block);
-  const int per_warp = (ke - kb + kWarps - 1) / kWarps;
+  const int per_warp = (ke - kb + W - 1) / W;
   const int wb = min(ke, kb + warp * per_warp);
   const int we = min(ke, wb + per_warp);
   const int steps = we - wb;
@@ -191,13 +190,19 @@ __global__ void __launch_bounds__(kThreads) awq_gemm_kernel(
   const uint32_t* z_strip = qzeros + strip * (kStripN / 8);
   const int n8 = N >> 3;
 
-  auto group_start = [&](int i) { return i == 0 || (((wb + i) << 4) % group_size) == 0; };
+  // Position inside its quantization group of the next step to issue / to consume
+  // (steps are issued and consumed in order; a group start needs its scales/zeros).
+  const int gsteps = group_size >> 4;
+  int issue_pos = wb % gsteps;
+  int use_pos = issue_pos;
   auto issue = [&](int i) {
+    const bool start = i == 0 || issue_pos == 0;
+    issue_pos = issue_pos + 1 == gsteps ? 0 : issue_pos + 1;
     if (i < steps) {
       unsigned char* slot = ring + (i % kRing) * kSlot;
       const int kt = wb + i;
       cp_async16(slot + lane * 16, wl + (size_t)kt * 32);
-      if (group_start(i) && lane < 10) {
+      if (start && lane < 10) {
         const int g = (kt << 4) / group_size;
         if (lane < 8)
           cp_async16(slot + kSlotW + lane * 16, s_strip + (size_t)g * N + lane * 8);
@@ -242,7 +247,9 @@ __global__ void __launch_bounds__(kThreads) awq_gemm_kernel(
     __syncwarp();                // ... and the other lanes' (scales/zeros), and all lanes left step i-1
     const unsigned char* slot = ring + (i % kRing) * kSlot;
     const uint4 w = *reinterpret_cast<const uint4*>(slot + lane * 16);
-    if (group_start(i)) {
+    const bool start = i == 0 || use_pos == 0;
+    use_pos = use_pos + 1 == gsteps ? 0 : use_pos + 1;
+    if (start) {
       const T* ss = reinterpret_cast<const T*>(slot + kSlotW);
       const uint32_t* zz = reinterpret_cast<const uint32_t*>(slot + kSlotW + kSlotS);
 #pragma unroll
@@ -275,7 +282,7 @@ __global__ void __launch_bounds__(kThreads) awq_gemm_kernel(
   __syncthreads();  // the ring becomes the reduction buffer
 
   float* red = reinterpret_cast<float*>(smem);
-  // Reduce the 8 warps' partial tiles, one 16-row M tile at a time.
+  // Reduce the W warps' partial tiles, one 16-row M tile at a time.
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
     float* mine = red + warp * 16 * kRedStride;
@@ -286,12 +293,12 @@ __global__ void __launch_bounds__(kThreads) awq_gemm_kernel(
       *reinterpret_cast<float2*>(mine + (arow + 8) * kRedStride + col) = make_float2(acc[mt][t][2], acc[mt][t][3]);
     }
     __syncthreads();
-    {
-      const int row = threadIdx.x >> 4;         // 0..15
-      const int col = (threadIdx.x & 15) * 4;   // 0..60
+    for (int e = threadIdx.x; e < 16 * (kStripN / 4); e += W * 32) {
+      const int row = e >> 4;         // 0..15
+      const int col = (e & 15) * 4;   // 0..60
       float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-      for (int w = 0; w < kWarps; ++w) {
+      for (int w = 0; w < W; ++w) {
         const float4 v = *reinterpret_cast<const float4*>(red + w * 16 * kRedStride + row * kRedStride + col);
         s.x += v.x; s.y += v.y; s.z += v.z; s.w += v.w;
       }
@@ -401,13 +408,13 @@ int sm_count(int device) {
 }
 
 // Raises the kernel's dynamic shared-memory limit (once) and returns its occupancy.
-template <typename T, int MT>
+template <typename T, int MT, int W>
 int prepare_kernel() {
   static int cached = 0;
   if (cached == 0) {
-    cudaFuncSetAttribute(awq_gemm_kernel<T, MT>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+    cudaFuncSetAttribute(awq_gemm_kernel<T, MT, W>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes(W));
     int n = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, awq_gemm_kernel<T, MT>, kThreads, kSmemBytes) !=
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, awq_gemm_kernel<T, MT, W>, W * 32, smem_bytes(W)) !=
             cudaSuccess || n <= 0)
       n = 1;
     cached = n;
@@ -416,41 +423,39 @@ int prepare_kernel() {
 }
 
 int mt_for(int M) { return M <= 16 ? 1 : (M <= 32 ? 2 : 4); }
+int warps_for(int warps) { return warps == 8 ? 8 : (warps == 4 ? 4 : kDefaultWarps); }
 
+template <typename T, int W>
+int occupancy(int mt) {
+  return mt == 1 ? prepare_kernel<T, 1, W>() : (mt == 2 ? prepare_kernel<T, 2, W>() : prepare_kernel<T, 4, W>());
+}
+
+// Memory-bound: all blocks resident at once (one round: each warp streams one long
+// contiguous K range, paying the pipeline fill once), as many as fit; K splits only to
+// fill the slots, each warp keeping at least 4 steps.
 template <typename T>
-int splits_for(int M, int N, int K, int device) {
+int splits_for(int M, int N, int K, int device, int warps) {
+  const int W = warps_for(warps);
   const int mt = mt_for(M);
-  const int occ = mt == 1 ? prepare_kernel<T, 1>() : (mt == 2 ? prepare_kernel<T, 2>() : prepare_kernel<T, 4>());
+  const int occ = W == 8 ? occupancy<T, 8>(mt) : occupancy<T, 4>(mt);
   const int tiles = (N / kStripN) * ((M + 16 * mt - 1) / (16 * mt));
   const int slots = sm_count(device) * occ;
   const int KT = K / 16;
-  int max_s = KT / (kWarps * 4);  // at least 4 k-steps per warp
+  int max_s = KT / (W * 4);
   if (max_s > 16) max_s = 16;
-  // Memory-bound: balance the blocks (equal bytes each) over the SMs, want at least two
-  // blocks per SM for latency hiding, and pay ~3% per extra split (fp32 partials).
-  const int sms = sm_count(device);
-  int best = 1;
-  double best_cost = 1e30;
-  for (int s = 1; s <= (max_s < 1 ? 1 : max_s); ++s) {
-    const double blocks = (double)tiles * s;
-    const double per_sm = blocks / sms;
-    double cost = (double)(long)((blocks + sms - 1) / sms) / per_sm * (1.0 + 0.03 * (s - 1));
-    if (blocks < 2.0 * sms && blocks < slots) cost *= 1.5;
-    if (cost < best_cost - 1e-9) {
-      best_cost = cost;
-      best = s;
-    }
-  }
-  return best;
+  if (max_s < 1) max_s = 1;
+  int s = slots / tiles;
+  if (s < 1) s = 1;
+  return s > max_s ? max_s : s;
 }
 
-template <typename T, int MT>
+template <typename T, int MT, int W>
 cudaError_t run_gemm(const void* x, const uint32_t* wp, const void* scales, const uint32_t* qzeros,
                      const void* bias, void* out, float* partial, int M, int N, int K, int group_size, int splits,
                      cudaStream_t stream) {
-  prepare_kernel<T, MT>();
+  prepare_kernel<T, MT, W>();
   dim3 grid(N / kStripN, splits, (M + 16 * MT - 1) / (16 * MT));
-  awq_gemm_kernel<T, MT><<<grid, kThreads, kSmemBytes, stream>>>(
+  awq_gemm_kernel<T, MT, W><<<grid, W * 32, smem_bytes(W), stream>>>(
       static_cast<const T*>(x), reinterpret_cast<const uint4*>(wp), static_cast<const T*>(scales), qzeros,
       static_cast<const T*>(bias), static_cast<T*>(out), splits > 1 ? partial : nullptr, M, N, K, group_size,
       splits);
@@ -463,15 +468,24 @@ cudaError_t run_gemm(const void* x, const uint32_t* wp, const void* scales, cons
   return cudaGetLastError();
 }
 
-template <typename T>
-cudaError_t gemm_dtype(const void* x, const uint32_t* wp, const void* scales, const uint32_t* qzeros,
+template <typename T, int W>
+cudaError_t gemm_warps(const void* x, const uint32_t* wp, const void* scales, const uint32_t* qzeros,
                        const void* bias, void* out, float* partial, int M, int N, int K, int group_size, int splits,
                        cudaStream_t stream) {
   switch (mt_for(M)) {
-    case 1: return run_gemm<T, 1>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, stream);
-    case 2: return run_gemm<T, 2>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, stream);
-    default: return run_gemm<T, 4>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, stream);
+    case 1: return run_gemm<T, 1, W>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, stream);
+    case 2: return run_gemm<T, 2, W>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, stream);
+    default: return run_gemm<T, 4, W>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, stream);
   }
+}
+
+template <typename T>
+cudaError_t gemm_dtype(const void* x, const uint32_t* wp, const void* scales, const uint32_t* qzeros,
+                       const void* bias, void* out, float* partial, int M, int N, int K, int group_size, int splits,
+                       int warps, cudaStream_t stream) {
+  if (warps_for(warps) == 8)
+    return gemm_warps<T, 8>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, stream);
+  return gemm_warps<T, 4>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, stream);
 }
 
 unsigned grid_for(size_t work, int threads) {
@@ -502,18 +516,20 @@ cudaError_t launch_dequantize(DType dtype, const uint32_t* qweight, const void* 
   return cudaGetLastError();
 }
 
-int gemm_splits(DType dtype, int M, int N, int K, int device) {
-  return dtype == DType::kHalf ? splits_for<__half>(M, N, K, device) : splits_for<__nv_bfloat16>(M, N, K, device);
+int gemm_splits(DType dtype, int M, int N, int K, int device, int warps) {
+  return dtype == DType::kHalf ? splits_for<__half>(M, N, K, device, warps)
+                               : splits_for<__nv_bfloat16>(M, N, K, device, warps);
 }
 
 cudaError_t launch_gemm(DType dtype, const void* x, const uint32_t* wpacked, const void* scales,
                         const uint32_t* qzeros, const void* bias, void* out, float* partial, int M, int N, int K,
-                        int group_size, int splits, cudaStream_t stream) {
+                        int group_size, int splits, int warps, cudaStream_t stream) {
   if (M <= 0) return cudaSuccess;
   if (dtype == DType::kHalf)
-    return gemm_dtype<__half>(x, wpacked, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, stream);
+    return gemm_dtype<__half>(x, wpacked, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, warps,
+                              stream);
   return gemm_dtype<__nv_bfloat16>(x, wpacked, scales, qzeros, bias, out, partial, M, N, K, group_size, splits,
-                                   stream);
+                                   warps, stream);
 }
 
 }  // namespace awq

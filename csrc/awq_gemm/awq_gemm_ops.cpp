@@ -88,7 +88,9 @@ at::Tensor awq_dequantize_cuda(const at::Tensor& qweight, const at::Tensor& scal
 
 // x [M, K] @ W (repacked by awq_repack_cuda) + bias.
 at::Tensor awq_gemm_cuda(const at::Tensor& x, const at::Tensor& wpacked, const at::Tensor& scales,
-                         const at::Tensor& qzeros, int64_t group_size, const std::optional<at::Tensor>& bias) {
+                         const at::Tensor& qzeros, int64_t group_size, const std::optional<at::Tensor>& bias,
+                         int64_t warps) {
+  TORCH_CHECK(warps == 0 || warps == 4 || warps == 8, "quantfuse awq_gemm: warps must be 0, 4 or 8");
   check_cuda_contig(x, "x");
   check_cuda_contig(wpacked, "wpacked");
   TORCH_CHECK(x.dim() == 2, "quantfuse awq_gemm: 'x' must be 2-D [M, K]");
@@ -119,20 +121,21 @@ at::Tensor awq_gemm_cuda(const at::Tensor& x, const at::Tensor& wpacked, const a
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   if (K == 0) return bias.has_value() ? bias->unsqueeze(0).expand({M, N}).contiguous() : out.zero_();
-  const int splits = quantfuse::awq::gemm_splits(dt, (int)M, (int)N, (int)K, x.get_device());
+  const int splits = quantfuse::awq::gemm_splits(dt, (int)M, (int)N, (int)K, x.get_device(), (int)warps);
   at::Tensor partial;
   if (splits > 1) partial = at::empty({splits, M, N}, x.options().dtype(at::kFloat));
   check_launch(quantfuse::awq::launch_gemm(dt, x.data_ptr(), reinterpret_cast<const uint32_t*>(wpacked.data_ptr<int32_t>()),
                                            scales.data_ptr(), reinterpret_cast<const uint32_t*>(qzeros.data_ptr<int32_t>()),
                                            bias_ptr, out.data_ptr(), splits > 1 ? partial.data_ptr<float>() : nullptr,
-                                           (int)M, (int)N, (int)K, (int)group_size, splits,
+                                           (int)M, (int)N, (int)K, (int)group_size, splits, (int)warps,
                                            at::cuda::getCurrentCUDAStream()),
                "awq_gemm");
   return out;
 }
 
-int64_t awq_gemm_splits(int64_t M, int64_t N, int64_t K, bool bf16, int64_t device) {
-  return quantfuse::awq::gemm_splits(bf16 ? DType::kBFloat16 : DType::kHalf, (int)M, (int)N, (int)K, (int)device);
+int64_t awq_gemm_splits(int64_t M, int64_t N, int64_t K, bool bf16, int64_t device, int64_t warps) {
+  return quantfuse::awq::gemm_splits(bf16 ? DType::kBFloat16 : DType::kHalf, (int)M, (int)N, (int)K, (int)device,
+                                     (int)warps);
 }
 
 }  // namespace
@@ -141,8 +144,8 @@ TORCH_LIBRARY_FRAGMENT(quantfuse, m) {
   m.def("_awq_repack_cuda(Tensor qweight) -> Tensor");
   m.def("_awq_dequantize_cuda(Tensor qweight, Tensor scales, Tensor qzeros, int group_size) -> Tensor");
   m.def("_awq_gemm_cuda(Tensor x, Tensor wpacked, Tensor scales, Tensor qzeros, int group_size, "
-        "Tensor? bias=None) -> Tensor");
-  m.def("_awq_gemm_splits(int M, int N, int K, bool bf16, int device) -> int", &awq_gemm_splits);
+        "Tensor? bias=None, int warps=0) -> Tensor");
+  m.def("_awq_gemm_splits(int M, int N, int K, bool bf16, int device, int warps=0) -> int", &awq_gemm_splits);
 }
 
 TORCH_LIBRARY_IMPL(quantfuse, CUDA, m) {
