@@ -23,11 +23,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from compile_backend.passes import FusionReport, collecting_report, make_graph_passes
 from torch._dynamo.backends.common import aot_autograd
 from torch._inductor.decomposition import select_decomp_table
 
 import compile_backend  # noqa: F401  (registers torch.ops.quantfuse.*)
+from compile_backend.passes import FusionReport, collecting_report, make_graph_passes
 
 QUANTFUSE_OPS = (
     torch.ops.quantfuse.scaled_mm.default,

@@ -10,11 +10,11 @@ import functools
 
 import pytest
 import torch
-from compile_backend.passes import collecting_report
 from torch._inductor.utils import run_and_get_code
 
 import compile_backend
 from compile_backend import weight_cache
+from compile_backend.passes import collecting_report
 from compile_backend.quantize import W8A8Linear
 
 pytestmark = pytest.mark.compile
