@@ -116,3 +116,32 @@ def test_dynamic_batch_compiles_at_most_twice():
     assert 1 <= len(compiles) <= 2, len(compiles)
     for report in compiles:
         assert report.counts() == {"scaled_mm": 1}, str(report)
+
+
+def test_freezing_keeps_quantized_weights_and_folds_column_sums():
+    """Under freezing, Inductor constant-folds a weight dequant chain into a dense float
+    weight before the post-grad passes (DESIGN.md's pitfall).  Our patterns run in the
+    joint slot, before that: the int8 weights stay int8 and feed the fused ops, and the
+    azp column sums (a function of the frozen weight only) are folded into a constant."""
+
+    class TwoLayers(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.sym = W8A8Linear.from_linear(torch.nn.Linear(K, N), out_dtype=torch.float32)
+            self.asym = W8A8Linear.from_linear(torch.nn.Linear(N, N), symmetric=False, out_dtype=torch.float32)
+
+        def forward(self, x):
+            return self.asym(torch.relu(self.sym(x)))
+
+    model = TwoLayers().eval()
+    x = torch.randn(9, K, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad(), torch._inductor.config.patch(freezing=True), collecting_report() as report:
+        out, (code, *_) = run_and_get_code(_compile(model), x)
+        ref = model(x)
+    assert "_frozen_param" in code  # freezing did happen
+    _code_fuses(code, "scaled_mm")
+    _code_fuses(code, "scaled_mm_azp")
+    assert "weight_colsum" not in code, "the column sums should be a frozen constant"
+    assert "mkl_linear" not in code
+    assert report.counts() == {"scaled_mm": 1, "scaled_mm_azp": 1}
+    _close_to_module(out, ref)
