@@ -2,8 +2,19 @@
 
 Families register their search/replace pairs into one ``PatternMatcherPass``
 per Inductor slot they need (``SLOTS``); ``make_graph_passes`` wraps each in a
-``CustomGraphPass`` whose ``uuid()`` hashes the pass sources, so Inductor's FX
-graph cache is invalidated whenever a pattern changes.
+``CustomGraphPass`` whose ``uuid()`` hashes the pass sources (and the op
+definitions they insert), so Inductor's FX graph cache is invalidated whenever
+a pattern changes.
+
+Slots: ``joint_custom_pre_pass`` is where every family matches first: it runs
+before ``freezing`` constant-folds weight dequant chains into dense weights,
+and before Inductor's own joint/post-grad rewrites (``view_to_reshape``,
+``mm + add → addmm``, pointless-convert removal), and for inference graphs
+Inductor runs it on the forward graph as well.  ``post_grad_custom_pre_pass``
+holds the same patterns as a second chance for graphs the joint passes did not
+see; it sees ``aten.reshape`` where the joint graph has ``aten.view``, which
+every pattern accepts.  A slot no family uses gets no pass.  The first of our
+passes that runs on a graph reports its unfused candidates (``candidates``).
 """
 
 from __future__ import annotations
@@ -31,7 +42,10 @@ _OPS_FILE = _PASS_DIR.parent / "compile_backend" / "ops.py"
 def _source_files() -> tuple[str, ...]:
     files = sorted(str(p) for p in _PASS_DIR.glob("*.py"))
     ops = Path(importlib.import_module("compile_backend.ops").__file__)
-    return tuple(files + [str(ops if ops.exists() else _OPS_FILE)])
+    files.append(str(ops if ops.exists() else _OPS_FILE))
+    # quantfuse::weight_colsum, which the scaled_mm_azp replacement inserts.
+    files.append(str(Path(importlib.import_module("compile_backend.weight_cache").__file__)))
+    return tuple(files)
 
 
 @functools.cache
