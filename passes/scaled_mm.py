@@ -221,16 +221,18 @@ def dequant_matmul_patterns(zero_point: bool) -> Iterator[tuple[str, PatternExpr
 
 def int_mm_patterns() -> Iterator[tuple[str, PatternExpr]]:
     """Every pattern of form 2a: ``_int_mm(a, w.t()).float()`` times two scales."""
-    acc = CallFunction(CONVERT, CallFunction(aten._int_mm.default, KeywordArg("a"),
-                                             CallFunction(aten.permute.default, KeywordArg("w"), [1, 0])),
-                       KeywordArg("acc_dt"))
+    int_mm = CallFunction(aten._int_mm.default, KeywordArg("a"),
+                          CallFunction(aten.permute.default, KeywordArg("w"), [1, 0]))
     s1, s2 = KeywordArg("s1"), KeywordArg("s2")
-    for inner in mul_either(acc, s1):
-        for outer in mul_either(inner, s2):
-            yield "int_mm", outer
-    for pre in mul_either(s1, s2):
-        for outer in mul_either(acc, pre):
-            yield "int_mm-premultiplied", outer
+    # The int32 result converted explicitly (``.float()``), or promoted by the first
+    # multiplication (``int32 * float32 scale``; checked to be float32).
+    for acc in (CallFunction(CONVERT, int_mm, KeywordArg("acc_dt")), int_mm):
+        for inner in mul_either(acc, s1):
+            for outer in mul_either(inner, s2):
+                yield "int_mm", outer
+        for pre in mul_either(s1, s2):
+            for outer in mul_either(acc, pre):
+                yield "int_mm-premultiplied", outer
 
 
 # --------------------------------------------------------------------------- matching and replacing
@@ -340,7 +342,13 @@ def plan_int_mm(match: Match, *, form: str) -> Plan:
     kw = match.kwargs
     a, w = val(kw["a"]), val(kw["w"])
     require(a.dtype == torch.int8 and w.dtype == torch.int8, "_int_mm operands are not int8")
-    require(kw["acc_dt"] == F32, f"_int_mm result converted to {kw['acc_dt']}; expected float32")
+    if "acc_dt" in kw:
+        require(kw["acc_dt"] == F32, f"_int_mm result converted to {kw['acc_dt']}; expected float32")
+    else:  # promoted by the multiplications themselves: they must compute in float32
+        muls = [n for n in match.nodes if n.target is MUL]
+        require(all(val(n).dtype == F32 for n in muls),
+                "_int_mm result promoted by its scales to "
+                f"{', '.join(sorted({str(val(n).dtype) for n in muls}))}; expected float32")
     m, n = a.shape[0], w.shape[0]
     kinds = {name: output_scale_kind(val(kw[name]), m, n) for name in ("s1", "s2")}
     rows = [k for k, v in kinds.items() if v == "per-row"]

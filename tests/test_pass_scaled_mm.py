@@ -222,6 +222,11 @@ INT_MM_SCALES = {
     "scale_first": lambda acc, sa, sb: sb * (sa * acc),
     "premultiplied": lambda acc, sa, sb: acc * (sa * sb),
 }
+# The int32 result promoted by the scale multiplications, without an explicit .float().
+INT_MM_PROMOTED = {
+    "promoted_a_then_b": lambda acc, sa, sb: acc * sa * sb,
+    "promoted_premultiplied": lambda acc, sa, sb: (sb * sa) * acc,
+}
 
 
 # Every scale order x granularity statically; dynamic shapes with per-token x per-channel.
@@ -231,12 +236,19 @@ INT_MM_CASES = [
 ]
 
 
+INT_MM_CASES += [(o, pt, pc, dyn) for o, (pt, pc, dyn) in itertools.product(
+    sorted(INT_MM_PROMOTED), [(True, True, False), (False, True, False), (True, True, True)])]
+
+
 @pytest.mark.parametrize("order,per_token,per_channel,dynamic", INT_MM_CASES)
 def test_int_mm_variants(order, per_token, per_channel, dynamic):
     a, w, sa, sb, bias = _inputs(per_token=per_token, per_channel=per_channel, bias_dtype=torch.bfloat16)
 
     def fn(a, w, sa, sb, bias):
-        return (INT_MM_SCALES[order](torch._int_mm(a, w.t()).float(), sa, sb) + bias).to(torch.bfloat16)
+        acc = torch._int_mm(a, w.t())
+        scaled = INT_MM_PROMOTED[order](acc, sa, sb) if order in INT_MM_PROMOTED else INT_MM_SCALES[order](
+            acc.float(), sa, sb)
+        return (scaled + bias).to(torch.bfloat16)
 
     r = apply_passes(fn, a, w, sa, sb, bias, dynamic=dynamic)
     assert r.fused == 1 and r.count(*MATMULS) == 0, graph_str(r.after)
@@ -302,6 +314,11 @@ def _float_weights(a, w, sa, sb, bias):
     return F.linear(a.float() * sa, w.float().sin() * sb.unsqueeze(-1))
 
 
+def _int_mm_promoted_to_bf16(a, w, sa, sb, bias):
+    # int32 * bfloat16 scale promotes to bfloat16: the products are rounded to 8 bits.
+    return torch._int_mm(a, w.t()) * sa.to(torch.bfloat16) * sb.to(torch.bfloat16)
+
+
 NEAR_MISSES = {
     "per_group_activation_scale": (_per_group_act, "activation scale of shape [6, 32]"),
     "activation_scale_MK": (_act_scale_mk, "activation scale of shape [6, 32]"),
@@ -310,6 +327,7 @@ NEAR_MISSES = {
     "weight_times_non_scale": (_weight_times_int_tensor, "weight scale of shape [16, 32]"),
     "int_mm_scale_MN": (_int_mm_scale_mn, "scale of shape [6, 16]"),
     "int_mm_two_row_scales": (_int_mm_two_row_scales, "expected one per-row and one per-column"),
+    "int_mm_promoted_to_bf16": (_int_mm_promoted_to_bf16, "promoted by its scales to torch.bfloat16"),
 }
 
 
