@@ -5,7 +5,8 @@ Inductor's pattern matcher, with the variants generated below rather than
 written out:
 
 2a. integer GEMM: ``torch._int_mm(a, w.t())`` → ``float()`` → ``* s1 * s2``
-    (either order, either operand order, or ``* (s1 * s2)`` pre-multiplied);
+    (either order, either operand order, or ``* (s1 * s2)`` pre-multiplied;
+    the ``float()`` may also be left to type promotion by float32 scales);
     the per-row scale becomes ``scale_a``, the per-column one ``scale_b``.
 2b. dequantize-then-matmul, int8 and float8_e4m3fn:
     ``(a.to(dt) * s_a)`` [viewed to 2-D] and ``(w.to(dt) * s_b).t()`` into
@@ -20,6 +21,11 @@ float32 bias that is ``bias_dt.to(float32)``, the bias goes back to ``dt``);
 a view between the op and its epilogue (3-D activations: ``mm`` →
 ``view([B, S, N])`` → ``+ bias``) is sunk below the epilogue first.  Each rule
 keeps the math: the op computes its epilogue in float32 and rounds once.
+
+Not matched (reported as unfused candidates): a weight stored already
+transposed (``x @ w_kn.float() * s``): the op's kernels read ``b`` as the
+column-major transpose of a row-major ``[N, K]`` weight, and making one would
+copy the weight per call.
 
 Checks (a candidate failing one is left alone, and the reason is remembered on
 its matmul node for the report): quantized dtypes (int8 / float8_e4m3fn, the
