@@ -319,6 +319,12 @@ def _int_mm_promoted_to_bf16(a, w, sa, sb, bias):
     return torch._int_mm(a, w.t()) * sa.to(torch.bfloat16) * sb.to(torch.bfloat16)
 
 
+def _weight_stored_transposed(a, w, sa, sb, bias):
+    # A [K, N] row-major weight (not matched by design: see passes/scaled_mm.py).
+    w_kn = w.t().contiguous()
+    return (a.float() * sa) @ (w_kn.float() * sb)
+
+
 NEAR_MISSES = {
     "per_group_activation_scale": (_per_group_act, "activation scale of shape [6, 32]"),
     "activation_scale_MK": (_act_scale_mk, "activation scale of shape [6, 32]"),
@@ -327,6 +333,7 @@ NEAR_MISSES = {
     "weight_times_non_scale": (_weight_times_int_tensor, "weight scale of shape [16, 32]"),
     "int_mm_scale_MN": (_int_mm_scale_mn, "scale of shape [6, 16]"),
     "int_mm_two_row_scales": (_int_mm_two_row_scales, "expected one per-row and one per-column"),
+    "weight_stored_transposed": (_weight_stored_transposed, "no quantfuse pattern matches"),
     "int_mm_promoted_to_bf16": (_int_mm_promoted_to_bf16, "promoted by its scales to torch.bfloat16"),
 }
 
