@@ -71,9 +71,12 @@ def check(out, ref64, out_dtype, in_dtype=torch.int8):
     assert out.shape == ref64.shape
     o = out.double()
     assert torch.isfinite(o).all(), "non-finite output (unwritten or overflow)"
-    rtol = RTOL[out_dtype] * (4 if in_dtype == torch.float8_e4m3fn and out_dtype == torch.float32 else 1)
+    rtol = RTOL[out_dtype]
+    # fp8: Hopper's fp8 wgmma accumulates partial sums with reduced precision before the
+    # per-k-tile promotion to fp32 (measured: up to ~3e-4 of max|ref| at K=528).
+    atol_rel = 2e-3 if in_dtype == torch.float8_e4m3fn else rtol * 1e-2
     err = (o - ref64).abs()
-    bound = rtol * ref64.abs() + rtol * 1e-2 * ref64.abs().max() + 1e-6
+    bound = rtol * ref64.abs() + atol_rel * ref64.abs().max() + 1e-6
     bad = err > bound
     assert not bad.any(), (
         f"{int(bad.sum())} of {bad.numel()} elements off; max err {err.max().item():.4g}, "
