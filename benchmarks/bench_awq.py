@@ -228,7 +228,7 @@ def render(meta, rows):
         for r in rows:
             if (r["N"], r["K"]) != (N, K):
                 continue
-            f = lambda k: f"{r[k]:.1f}" if k in r else "-"
+            f = lambda k, r=r: f"{r[k]:.1f}" if k in r else "-"
             tbs = r["weight_bytes"] / (r["ours"] * 1e-6) / 1e12
             out.append(f"| {r['M']} | {f('ours')} | {tbs:.2f} | {f('ours_kernel')} | {f('ours_kernel_w8')} | "
                        f"{f('ours_dq_cublas')} | "
