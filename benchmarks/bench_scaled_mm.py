@@ -53,6 +53,8 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-ours-fp8", action="store_true", help="skip our fp8 kernel (debugging)")
+    ap.add_argument("--ms", default="", help="comma-separated M values (default: all)")
+    ap.add_argument("--skip", default="", help="comma-separated columns not to measure (nan), e.g. ours_azp,cublas_bf16")
     args = ap.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -74,6 +76,14 @@ def main() -> int:
     rows = []
     nk_list = NK[:2] if args.quick else NK
     m_list = (1, 16, 1024) if args.quick else MS
+    if args.ms:
+        m_list = tuple(int(m) for m in args.ms.split(","))
+    skip = set(filter(None, args.skip.split(",")))
+    if args.no_ours_fp8:
+        skip.add("ours_fp8")
+
+    def measure(name, fn):
+        return float("nan") if name in skip else bench(fn)
     for N, K in nk_list:
         w8 = torch.randint(-128, 128, (N, K), dtype=torch.int8, device="cuda")
         b8 = w8.t()
@@ -93,17 +103,18 @@ def main() -> int:
             sap = torch.rand(Mp, 1, device="cuda") * 1e-2
             r = {"N": N, "K": K, "M": M}
             r["ours"] = bench(lambda: ops.scaled_mm(a8, b8, sa, sb, torch.bfloat16, bias))
-            r["ours_azp"] = bench(lambda: ops.scaled_mm_azp(a8, b8, sa, sb, torch.bfloat16, colsum, azp, bias))
-            r["ours_fp8"] = float("nan") if args.no_ours_fp8 else bench(
-                lambda: ops.scaled_mm(af8, wf8.t(), sa, sb, torch.bfloat16, bias))
-            r["cublas_bf16"] = bench(lambda: abf @ wbf.t())
-            r["int_mm"] = bench(lambda: torch._int_mm(a8p, b8))
-            inductor(a8p, b8, sap, sb, bias)
-            r["int_mm_inductor"] = bench(lambda: inductor(a8p, b8, sap, sb, bias))
+            r["ours_azp"] = measure(
+                "ours_azp", lambda: ops.scaled_mm_azp(a8, b8, sa, sb, torch.bfloat16, colsum, azp, bias))
+            r["ours_fp8"] = measure("ours_fp8", lambda: ops.scaled_mm(af8, wf8.t(), sa, sb, torch.bfloat16, bias))
+            r["cublas_bf16"] = measure("cublas_bf16", lambda: abf @ wbf.t())
+            r["int_mm"] = measure("int_mm", lambda: torch._int_mm(a8p, b8))
+            if "int_mm_inductor" not in skip:
+                inductor(a8p, b8, sap, sb, bias)
+            r["int_mm_inductor"] = measure("int_mm_inductor", lambda: inductor(a8p, b8, sap, sb, bias))
             try:
                 sa2, sb2 = sa.reshape(-1, 1), sb.reshape(1, -1)
                 torch._scaled_mm(af8, wf8.t(), scale_a=sa2, scale_b=sb2, bias=bias, out_dtype=torch.bfloat16)
-                r["scaled_mm_fp8"] = bench(lambda: torch._scaled_mm(
+                r["scaled_mm_fp8"] = measure("scaled_mm_fp8", lambda: torch._scaled_mm(
                     af8, wf8.t(), scale_a=sa2, scale_b=sb2, bias=bias, out_dtype=torch.bfloat16))
             except RuntimeError as exc:
                 print("torch._scaled_mm failed:", exc)

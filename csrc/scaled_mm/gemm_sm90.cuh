@@ -44,13 +44,17 @@ struct EnableSm90Only : Kernel {
 // 3: decode (M <= 32), swapped: D^T = B^T A^T with 64 (of N) x 32 (of M) x 256 tiles: the
 //    weight fills the 64-row wgmma operand, the few tokens the narrow side.  N/64 CTAs,
 //    each streaming its 64 weight rows through a deep (auto, ~7 stage) TMA pipeline.
+//    (v3 tried 128x32x128 cooperative + StreamKScheduler here: 1x4096x4096 went from 14.9
+//    to 21.4 µs, see benchmarks/notes_scaled_mm.md; reverted.)
 struct ConfigSwapSmall {
   using Tile = Shape<_64, _32, _256>;
   using Cluster = Shape<_1, _1, _1>;
   using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecialized;
   using EpiSchedule = cutlass::epilogue::TmaWarpSpecialized;
+  using Scheduler = void;
   static constexpr int kStages = 0;
   static constexpr bool kSwap = true;
+  static constexpr bool kFp8Cooperative = false;
 };
 // 0: small M (M <= 64): 64x32x256 tiles, one consumer warpgroup, 4 stages so
 //    that two CTAs fit on an SM; many CTAs along N to stream the weight at DRAM speed.
@@ -59,8 +63,10 @@ struct ConfigSmall {
   using Cluster = Shape<_1, _1, _1>;
   using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecialized;
   using EpiSchedule = cutlass::epilogue::TmaWarpSpecialized;
+  using Scheduler = void;
   static constexpr int kStages = 4;
   static constexpr bool kSwap = false;
+  static constexpr bool kFp8Cooperative = false;
 };
 // 1: medium M (64 < M <= 256): 64x128x128 ping-pong (two consumer warpgroups alternate
 //    tiles so one's epilogue overlaps the other's mainloop), cluster 2x1.
@@ -69,17 +75,27 @@ struct ConfigMedium {
   using Cluster = Shape<_2, _1, _1>;
   using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
   using EpiSchedule = cutlass::epilogue::TmaWarpSpecialized;
+  using Scheduler = void;
   static constexpr int kStages = 0;  // auto
   static constexpr bool kSwap = false;
+  // 64-row tiles cannot be split over two warpgroups; 64x128 per warpgroup keeps the fp8
+  // accumulator + promotion buffer at 2 x 64 registers, so ping-pong stays for fp8.
+  static constexpr bool kFp8Cooperative = false;
 };
 // 2: large M: 128x128x128 ping-pong, cluster 2x1 (A/B multicast within the cluster).
+//    fp8: cooperative instead.  The (non-fast-accum) FP8 mainloop keeps a second fp32
+//    accumulator for the promotion; with ping-pong one warpgroup owns the whole 128x128
+//    tile, 2 x 128 accumulator registers per thread, which spills.  Cooperative splits the
+//    tile over two warpgroups (2 x 64 registers).
 struct ConfigLarge {
   using Tile = Shape<_128, _128, _128>;
   using Cluster = Shape<_2, _1, _1>;
   using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
   using EpiSchedule = cutlass::epilogue::TmaWarpSpecialized;
+  using Scheduler = void;
   static constexpr int kStages = 0;
   static constexpr bool kSwap = false;
+  static constexpr bool kFp8Cooperative = true;
 };
 
 inline int choose_config(int64_t M, int64_t /*N*/) {
@@ -95,6 +111,11 @@ struct Sm90Gemm {
   using Tile = typename Config::Tile;
   using Cluster = typename Config::Cluster;
   static constexpr bool kSwap = Config::kSwap;
+  static constexpr bool kCoop = !std::is_same_v<ElementAB, int8_t> && Config::kFp8Cooperative;
+  using KernelSchedule = std::conditional_t<kCoop, cutlass::gemm::KernelTmaWarpSpecializedCooperative,
+                                            typename Config::KernelSchedule>;
+  using EpiSchedule = std::conditional_t<kCoop, cutlass::epilogue::TmaWarpSpecializedCooperative,
+                                         typename Config::EpiSchedule>;
   using Epilogue = Epi<Tile, ElementD, kSwap>;
   // D [M, N] row-major; swapped, the kernel writes D^T [N, M], i.e. column-major.
   using LayoutD = std::conditional_t<kSwap, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
@@ -108,7 +129,7 @@ struct Sm90Gemm {
       cutlass::epilogue::collective::EpilogueTileAuto, ElementAcc, float,
       void, LayoutD, kAlignD,       // no C operand: bias comes from the EVT
       ElementD, LayoutD, kAlignD,
-      typename Config::EpiSchedule, EVT>::CollectiveOp;
+      EpiSchedule, EVT>::CollectiveOp;
 
   using Stages = std::conditional_t<
       (Config::kStages > 0), cutlass::gemm::collective::StageCount<(Config::kStages > 0 ? Config::kStages : 1)>,
@@ -119,10 +140,10 @@ struct Sm90Gemm {
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
       ElementAB, cutlass::layout::RowMajor, kAlignAB,
       ElementAB, cutlass::layout::ColumnMajor, kAlignAB,
-      ElementAcc, Tile, Cluster, Stages, typename Config::KernelSchedule>::CollectiveOp;
+      ElementAcc, Tile, Cluster, Stages, KernelSchedule>::CollectiveOp;
 
   using KernelBase = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, CollectiveMainloop,
-                                                          CollectiveEpilogue>;
+                                                          CollectiveEpilogue, typename Config::Scheduler>;
   using Kernel = EnableSm90Only<KernelBase>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 
