@@ -54,13 +54,14 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-ours-fp8", action="store_true", help="skip our fp8 kernel (debugging)")
     ap.add_argument("--ms", default="", help="comma-separated M values (default: all)")
-    ap.add_argument("--skip", default="", help="comma-separated columns not to measure (nan), e.g. ours_azp,cublas_bf16")
+    ap.add_argument("--skip", default="",
+                    help="comma-separated columns not to measure (nan), e.g. ours_azp,cublas_bf16")
     args = ap.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    from compile_backend import kernels, ops
     import compile_backend.cuda  # noqa: F401
+    from compile_backend import kernels, ops
 
     assert kernels.ensure_loaded(), kernels.status()
     torch.manual_seed(0)
@@ -130,7 +131,7 @@ def main() -> int:
                 f"  _scaled_mm {r['scaled_mm_fp8']:8.1f}  floor {r['floor_us']:6.1f}",
                 flush=True,
             )
-        del w8, b8, wbf, wf8
+        w8 = b8 = wbf = wf8 = None  # free this shape's weights before the next
 
     meta = {
         "gpu": gpu,
