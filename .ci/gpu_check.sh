@@ -17,7 +17,7 @@ python3 -c 'import torch; print("torch", torch.__version__)'
 start=$SECONDS
 python3 -m compile_backend.build 2>&1 | tee "$OUT/build.log" | tail -3
 echo "build: $((SECONDS - start)) s"
-python3 -m pytest -q -n ${PYTEST_WORKERS:-8} -p no:cacheprovider tests/ --junitxml="$OUT/junit.xml" \
+python3 -m pytest -q -n ${PYTEST_WORKERS:-8} -p no:cacheprovider ${PYTEST_ARGS:-tests/} --junitxml="$OUT/junit.xml" \
   > "$OUT/pytest.log" 2>&1
 rc=$?
 tail -25 "$OUT/pytest.log"

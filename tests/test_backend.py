@@ -60,16 +60,23 @@ def test_install_passes_keeps_existing_pass(monkeypatch):
     theirs = _Recorder()
     ours = {slot: _Recorder("ours")}
     with inductor_config.patch({slot: theirs}):
-        assert backend.install_passes({}, ours)[slot] == [ours[slot], theirs]
         assert backend.install_passes({slot: [theirs]}, ours)[slot] == [ours[slot], theirs]
-        # On an Inductor whose slots hold a single pass, both run, chained, ours first.
+        # Inductor 2.13+ takes a list per slot; on 2.11-2.12 (one pass per slot) both run, chained.
+        monkeypatch.setattr(backend, "_slot_accepts_list", lambda: True)
+        assert backend.install_passes({}, ours)[slot] == [ours[slot], theirs]
         monkeypatch.setattr(backend, "_slot_accepts_list", lambda: False)
         chained = backend.install_passes({}, ours)[slot]
         assert isinstance(chained, CustomGraphPass)
         chained(torch.fx.Graph())
-        assert ours[slot].calls == 1 and theirs.calls == 1
+        assert ours[slot].calls == 1 and theirs.calls == 1  # ours first, then theirs
         assert chained.uuid() == ("quantfuse-chain", "ours", "recorder")
     assert getattr(inductor_config, slot) is None  # global config untouched
+
+
+def test_slot_list_support_matches_inductor():
+    from torch._inductor import custom_graph_pass
+
+    assert backend._slot_accepts_list() == hasattr(custom_graph_pass, "get_custom_graph_passes")
 
 
 def test_pass_uuid_tracks_sources():
