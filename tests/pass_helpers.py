@@ -10,7 +10,7 @@ reference implementations).  That keeps each case well under a second.
 
 Stable API (other test modules import it):
 
-* ``apply_passes(fn, *args, dynamic=False, families=None, stage="joint") -> PassResult``
+* ``apply_passes(fn, *args, dynamic=False, families=None, stage="joint"|"post_grad"|"reshape") -> PassResult``
 * ``graph_str(gm) -> str``: one line per node, for ``assertExpectedInline``
 * ``count_calls(gm, *targets) -> int``
 * ``QUANTFUSE_OPS``: the quantfuse op overloads
@@ -72,24 +72,30 @@ def apply_passes(fn, *args, dynamic: bool = False, families=None, stage: str = "
 
     ``stage="joint"`` runs the passes Inductor's joint slot gets; ``"post_grad"``
     additionally rewrites ``aten.view`` into ``aten.reshape`` (as Inductor does
-    before its post-grad passes) and then runs the post-grad slot's pass.
+    before its post-grad passes) and then runs the post-grad slot's pass;
+    ``"reshape"`` rewrites the views first and runs the joint slot's pass on
+    that form (patterns must hold on it too).
     ``families`` restricts the pattern families (default: all).  ``skip_joint``
     (with ``stage="post_grad"``) leaves the joint slot out, as when Inductor's
     joint passes do not run on a graph.
     """
-    if stage not in ("joint", "post_grad"):
-        raise ValueError(f"apply_passes: stage {stage!r}; expected 'joint' or 'post_grad'")
+    if stage not in ("joint", "post_grad", "reshape"):
+        raise ValueError(f"apply_passes: stage {stage!r}; expected 'joint', 'post_grad' or 'reshape'")
     options = {} if families is None else {"families": tuple(families)}
     passes = make_graph_passes(options)
     captured: dict[str, torch.fx.GraphModule] = {}
 
     def fw_compiler(gm, example_inputs):
-        captured["before"] = copy.deepcopy(gm)
+        from torch._inductor.fx_passes.post_grad import view_to_reshape
+
+        if stage == "reshape":
+            view_to_reshape(gm)
+        # Lifted tensor constants are real tensors: copy them outside the fake mode.
+        with torch._subclasses.fake_tensor.unset_fake_temporarily():
+            captured["before"] = copy.deepcopy(gm)
         if "joint_custom_pre_pass" in passes and not skip_joint:
             _run_slot(passes["joint_custom_pre_pass"], gm)
         if stage == "post_grad":
-            from torch._inductor.fx_passes.post_grad import view_to_reshape
-
             view_to_reshape(gm)
             if "post_grad_custom_pre_pass" in passes:
                 _run_slot(passes["post_grad_custom_pre_pass"], gm)

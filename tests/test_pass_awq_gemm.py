@@ -19,12 +19,10 @@ from typing import Any
 import pytest
 import torch
 from expecttest import TestCase
-from pass_helpers import count_calls, graph_str
+from pass_helpers import apply_passes, count_calls, graph_str
 from torch import nn
-from torch._dynamo.backends.common import aot_autograd
-from torch._inductor.decomposition import select_decomp_table
 
-from compile_backend.passes import FusionReport, collecting_report, make_graph_passes
+from compile_backend.passes import FusionReport, collecting_report
 from compile_backend.passes.report import noted_reasons
 from compile_backend.quantize import AWQLinear
 
@@ -55,35 +53,15 @@ class Traced:
 
 
 def trace(fn, *args, dynamic=False, stage="joint") -> Traced:
-    """Trace ``fn`` to the graph Inductor's joint-graph slot sees, run our AWQ passes, run the result.
+    """``pass_helpers.apply_passes`` with the AWQ family alone; ``before`` as printed text.
 
     ``stage="reshape"`` first rewrites views into reshapes (``view_to_reshape``,
     what Inductor does before the post-grad slots): the patterns must match that
     form as well.
     """
-    passes = make_graph_passes({"families": ("awq_gemm",)})
-    captured = {}
-
-    def fw_compiler(gm, example_inputs):
-        if stage == "reshape":
-            from torch._inductor.fx_passes.post_grad import view_to_reshape
-
-            view_to_reshape(gm)
-        captured["before"] = graph_str(gm)
-        passes["joint_custom_pre_pass"](gm.graph)
-        gm.graph.lint()
-        gm.recompile()
-        captured["after"] = gm
-        return gm.forward
-
-    backend = aot_autograd(fw_compiler=fw_compiler, decompositions=select_decomp_table())
+    r = apply_passes(fn, *args, dynamic=dynamic, families=("awq_gemm",), stage=stage)
     torch._dynamo.reset()
-    with torch.no_grad():
-        expected = fn(*args)
-        with collecting_report() as report:
-            output = torch.compile(fn, backend=backend, dynamic=dynamic, fullgraph=True)(*args)
-    torch._dynamo.reset()
-    return Traced(captured["before"], captured["after"], report, output, expected)
+    return Traced(graph_str(r.before), r.after, r.report, r.output, r.expected)
 
 
 def assert_output_close(out, expected):
