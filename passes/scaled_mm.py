@@ -132,14 +132,18 @@ def check_scale_dtype(name: str, s) -> None:
                 f"{name} is {s!r}; expected a tensor or a number")
 
 
+def is_per_token_shape(t, a) -> bool:
+    """``t`` is ``[*lead, 1]`` for the activation ``a`` ``[*lead, K]`` (provably, without guards)."""
+    return (t.dim() == a.dim() and known(t.shape[-1] == 1)
+            and all(known(t.shape[i] == a.shape[i]) for i in range(a.dim() - 1)))
+
+
 def activation_scale_kind(s, a) -> str:
     """``scale_a`` multiplying the activation ``a`` ``[*lead, K]``: per-tensor or per-token."""
     check_scale_dtype("activation scale", s)
     if is_scalar_like(s):
         return "per-tensor"
-    ok = (s.dim() == a.dim() and known(s.shape[-1] == 1)
-          and all(known(s.shape[i] == a.shape[i]) for i in range(a.dim() - 1)))
-    require(ok, f"activation scale of shape {shape_str(s)} is neither per-tensor nor per-token "
+    require(is_per_token_shape(s, a), f"activation scale of shape {shape_str(s)} is neither per-tensor nor per-token "
                 f"for an activation of shape {shape_str(a)}")
     return "per-token"
 

@@ -45,6 +45,7 @@ from .scaled_mm import (
     check_quantized_pair,
     check_view,
     dequant_matmul_patterns,
+    is_per_token_shape,
     known,
     register_checked,
     register_epilogue_rules,
@@ -95,9 +96,7 @@ def zero_point_kind(z, a) -> str:
     zv = val(z)
     if not isinstance(zv, torch.Tensor) or known(zv.numel() == 1):
         return "per-tensor"
-    ok = (zv.dim() == a.dim() and known(zv.shape[-1] == 1)
-          and all(known(zv.shape[i] == a.shape[i]) for i in range(a.dim() - 1)))
-    require(ok, f"zero point of shape {shape_str(zv)} is neither per-tensor nor per-token "
+    require(is_per_token_shape(zv, a), f"zero point of shape {shape_str(zv)} is neither per-tensor nor per-token "
                 f"for an activation of shape {shape_str(a)}")
     return "per-token"
 
