@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import logging
 from pathlib import Path
 
 import torch
@@ -33,7 +32,6 @@ FAMILIES = ("scaled_mm_azp", "scaled_mm", "awq_gemm")
 # Inductor config slots our passes may occupy, in the order Inductor runs them.
 SLOTS = ("joint_custom_pre_pass", "post_grad_custom_pre_pass")
 
-log = logging.getLogger("compile_backend")
 
 _PASS_DIR = Path(__file__).resolve().parent
 _OPS_FILE = _PASS_DIR.parent / "compile_backend" / "ops.py"
@@ -57,15 +55,7 @@ def patterns_for(families: tuple[str, ...]) -> dict[str, PatternMatcherPass]:
     for family in families:
         if family not in FAMILIES:
             raise ValueError(f"quantfuse: unknown pattern family {family!r}; expected some of {FAMILIES}")
-        module_name = f"{__name__.rsplit('.', 1)[0]}.{family}"
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name != module_name:
-                raise
-            log.warning("quantfuse: pattern family %r is not available (%s); skipping it", family, exc)
-            continue
-        module.register(passes)
+        importlib.import_module(f"{__name__.rsplit('.', 1)[0]}.{family}").register(passes)
     return passes
 
 
