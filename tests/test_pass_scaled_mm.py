@@ -12,8 +12,8 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
+from expecttest import TestCase
 from pass_helpers import MATMULS, apply_passes, count_calls, graph_str
-from torch.testing._internal.common_utils import TestCase
 
 from compile_backend.quantize import W8A8Linear
 
