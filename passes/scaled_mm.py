@@ -143,8 +143,9 @@ def activation_scale_kind(s, a) -> str:
     check_scale_dtype("activation scale", s)
     if is_scalar_like(s):
         return "per-tensor"
-    require(is_per_token_shape(s, a), f"activation scale of shape {shape_str(s)} is neither per-tensor nor per-token "
-                f"for an activation of shape {shape_str(a)}")
+    require(is_per_token_shape(s, a),
+            f"activation scale of shape {shape_str(s)} is neither per-tensor nor per-token "
+            f"for an activation of shape {shape_str(a)}")
     return "per-token"
 
 

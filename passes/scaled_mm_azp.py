@@ -96,8 +96,9 @@ def zero_point_kind(z, a) -> str:
     zv = val(z)
     if not isinstance(zv, torch.Tensor) or known(zv.numel() == 1):
         return "per-tensor"
-    require(is_per_token_shape(zv, a), f"zero point of shape {shape_str(zv)} is neither per-tensor nor per-token "
-                f"for an activation of shape {shape_str(a)}")
+    require(is_per_token_shape(zv, a),
+            f"zero point of shape {shape_str(zv)} is neither per-tensor nor per-token "
+            f"for an activation of shape {shape_str(a)}")
     return "per-token"
 
 
