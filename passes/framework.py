@@ -34,13 +34,11 @@ SLOTS = ("joint_custom_pre_pass", "post_grad_custom_pre_pass")
 
 
 _PASS_DIR = Path(__file__).resolve().parent
-_OPS_FILE = _PASS_DIR.parent / "compile_backend" / "ops.py"
 
 
 def _source_files() -> tuple[str, ...]:
     files = sorted(str(p) for p in _PASS_DIR.glob("*.py"))
-    ops = Path(importlib.import_module("compile_backend.ops").__file__)
-    files.append(str(ops if ops.exists() else _OPS_FILE))
+    files.append(importlib.import_module("compile_backend.ops").__file__)
     # quantfuse::weight_colsum, which the scaled_mm_azp replacement inserts.
     files.append(str(Path(importlib.import_module("compile_backend.weight_cache").__file__)))
     return tuple(files)

@@ -313,24 +313,46 @@ def check_quantized_pair(a, w, a_dt, w_dt, *, zero_point: bool) -> torch.dtype:
     return a_dt
 
 
-def plan_dequant_matmul(match: Match, *, form: str, viewed: bool) -> Plan:
+@dataclass
+class DequantMatmul:
+    """What the checks of a dequant-then-matmul match established (shared with scaled_mm_azp)."""
+
+    a: torch.Tensor
+    w: torch.Tensor
+    out_dtype: torch.dtype
+    sa_kind: str
+    sb_kind: str
+    bias: Node | None
+
+
+def check_dequant_matmul(match: Match, *, viewed: bool, zero_point: bool) -> DequantMatmul:
     kw = match.kwargs
     a, w = val(kw["a"]), val(kw["w"])
-    out_dtype = check_quantized_pair(a, w, kw["a_dt"], kw["w_dt"], zero_point=False)
+    out_dtype = check_quantized_pair(a, w, kw["a_dt"], kw["w_dt"], zero_point=zero_point)
     sa_kind = activation_scale_kind(val(kw["scale_a"]), a)
     sb_kind = weight_scale_kind(val(kw["scale_b"]), w)
     check_view(match, a, viewed)
     bias = kw.get("bias")
-    n = w.shape[0]
     if bias is not None:
-        require(bias_ok(val(bias), n, out_dtype),
+        require(bias_ok(val(bias), w.shape[0], out_dtype),
                 f"addmm input of shape {shape_str(val(bias))} is not a per-channel bias in {out_dtype}")
+    return DequantMatmul(a, w, out_dtype, sa_kind, sb_kind, bias)
+
+
+def as_bias_vector(bias):
+    """An ``addmm`` bias of shape ``[1, N]`` as the op's ``[N]``."""
+    return bias if bias is None or bias.dim() == 1 else bias.reshape(-1)
+
+
+def plan_dequant_matmul(match: Match, *, form: str, viewed: bool) -> Plan:
+    kw = match.kwargs
+    c = check_dequant_matmul(match, viewed=viewed, zero_point=False)
+    a, out_dtype, sa_kind, sb_kind, bias = c.a, c.out_dtype, c.sa_kind, c.sb_kind, c.bias
 
     def build(a, w, scale_a, scale_b, bias=None):
         a2 = a.reshape(-1, a.shape[-1]) if viewed else a
         return torch.ops.quantfuse.scaled_mm(
-            a2, w.t(), as_scale_vector(scale_a, a), as_scale_vector(scale_b, a), out_dtype,
-            bias if bias is None or bias.dim() == 1 else bias.reshape(-1))
+            a2, w.t(), as_scale_vector(scale_a, a), as_scale_vector(scale_b, a), out_dtype, as_bias_vector(bias))
 
     inputs = {"a": kw["a"], "w": kw["w"], "scale_a": kw["scale_a"], "scale_b": kw["scale_b"]}
     if bias is not None:

@@ -39,11 +39,9 @@ from .scaled_mm import (
     OpSignature,
     Plan,
     Reject,
-    activation_scale_kind,
+    as_bias_vector,
     as_scale_vector,
-    bias_ok,
-    check_quantized_pair,
-    check_view,
+    check_dequant_matmul,
     dequant_matmul_patterns,
     is_per_token_shape,
     known,
@@ -52,7 +50,6 @@ from .scaled_mm import (
     require,
     shape_str,
     val,
-    weight_scale_kind,
 )
 
 FAMILY = "scaled_mm_azp"
@@ -104,16 +101,9 @@ def zero_point_kind(z, a) -> str:
 
 def plan_dequant_matmul_azp(match: Match, *, form: str, viewed: bool) -> Plan:
     kw = match.kwargs
-    a, w = val(kw["a"]), val(kw["w"])
-    out_dtype = check_quantized_pair(a, w, kw["a_dt"], kw["w_dt"], zero_point=True)
-    sa_kind = activation_scale_kind(val(kw["scale_a"]), a)
-    sb_kind = weight_scale_kind(val(kw["scale_b"]), w)
+    c = check_dequant_matmul(match, viewed=viewed, zero_point=True)
+    a, out_dtype, sa_kind, sb_kind, bias = c.a, c.out_dtype, c.sa_kind, c.sb_kind, c.bias
     z_kind = zero_point_kind(kw["azp"], a)
-    check_view(match, a, viewed)
-    bias = kw.get("bias")
-    if bias is not None:
-        require(bias_ok(val(bias), w.shape[0], out_dtype),
-                f"addmm input of shape {shape_str(val(bias))} is not a per-channel bias in {out_dtype}")
 
     def build(a, w, scale_a, scale_b, azp, bias=None):
         a2 = a.reshape(-1, a.shape[-1]) if viewed else a
@@ -125,7 +115,7 @@ def plan_dequant_matmul_azp(match: Match, *, form: str, viewed: bool) -> Plan:
             azp_adj, azp_vec = colsum, azp.to(torch.int32).reshape(-1)
         return torch.ops.quantfuse.scaled_mm_azp(
             a2, w.t(), as_scale_vector(scale_a, a), as_scale_vector(scale_b, a), out_dtype,
-            azp_adj, azp_vec, bias if bias is None or bias.dim() == 1 else bias.reshape(-1))
+            azp_adj, azp_vec, as_bias_vector(bias))
 
     inputs = {"a": kw["a"], "w": kw["w"], "scale_a": kw["scale_a"], "scale_b": kw["scale_b"], "azp": kw["azp"]}
     if bias is not None:
