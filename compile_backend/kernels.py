@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -59,8 +60,9 @@ def csrc_dir() -> Path:
 
 
 def selected_families() -> list[str] | None:
-    """``QUANTFUSE_CSRC_ONLY=awq_gemm,...`` restricts the build to those csrc/ folders
-    (for kernel development; unset in normal use)."""
+    """``QUANTFUSE_CSRC_ONLY=awq_gemm,scaled_mm/scaled_mm_sm80`` restricts the build to the
+    csrc/ sources whose path relative to csrc/ starts with one of those prefixes (a family
+    folder, or some of its files); for kernel development, unset in normal use."""
     only = os.environ.get("QUANTFUSE_CSRC_ONLY")
     return [f for f in only.split(",") if f] if only else None
 
@@ -70,13 +72,16 @@ def sources() -> list[Path]:
     only = selected_families()
     return sorted(
         p for p in root.rglob("*")
-        if p.suffix in SOURCE_SUFFIXES and (only is None or p.relative_to(root).parts[0] in only)
+        if p.suffix in SOURCE_SUFFIXES
+        and (only is None or any(p.relative_to(root).as_posix().startswith(f) for f in only))
     )
 
 
 def extension_name() -> str:
     only = selected_families()
-    return EXTENSION_NAME if only is None else EXTENSION_NAME + "_" + "_".join(sorted(only))
+    if only is None:
+        return EXTENSION_NAME
+    return EXTENSION_NAME + "_" + "_".join(re.sub(r"\W", "_", f) for f in sorted(only))
 
 
 def cutlass_include_dirs() -> list[str]:

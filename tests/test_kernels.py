@@ -94,5 +94,9 @@ def test_sources_subset_and_cutlass_override(monkeypatch, tmp_path):
     monkeypatch.setenv("QUANTFUSE_CSRC_ONLY", "awq_gemm")
     assert [p.name for p in kernels.sources()] == ["awq_gemm.cu"]
     assert kernels.extension_name() == "quantfuse_C_awq_gemm"
+    (root / "scaled_mm" / "scaled_mm_sm80.cu").write_text("")
+    monkeypatch.setenv("QUANTFUSE_CSRC_ONLY", "scaled_mm/scaled_mm_sm80,awq_gemm")
+    assert [p.name for p in kernels.sources()] == ["awq_gemm.cu", "scaled_mm_sm80.cu"]
+    assert kernels.extension_name() == "quantfuse_C_awq_gemm_scaled_mm_scaled_mm_sm80"
     monkeypatch.setenv("QUANTFUSE_CUTLASS_INCLUDE", "/x/include")
     assert kernels.cutlass_include_dirs() == ["/x/include"]
