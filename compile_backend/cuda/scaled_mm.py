@@ -85,6 +85,33 @@ def supports_azp(a, b, scale_a, scale_b, out_dtype, azp_adj, azp=None, bias=None
     return None
 
 
+# Decode (small M): the weight-streaming mma.sync kernel (csrc/scaled_mm/scaled_mm_decode*)
+# instead of CUTLASS, up to this many rows of a (its largest token tile is 16).
+DECODE_MAX_M = 16
+_decode_op_built: list[bool] = []
+
+
+def _decode_reason(a, b) -> str | None:
+    """None when the decode kernel takes inputs that ``_common`` accepted, else why not."""
+    M, K = a.shape
+    N = b.shape[1]
+    if M > DECODE_MAX_M:
+        return f"M={M} > DECODE_MAX_M={DECODE_MAX_M}"
+    if not _decode_op_built:
+        _decode_op_built.append(hasattr(torch.ops.quantfuse, "_scaled_mm_decode_cuda"))
+    if not _decode_op_built[0]:
+        return "decode kernel not built"
+    if K % 16:
+        return f"K={K} not a multiple of 16"
+    if a.stride(1) != 1 or (M > 1 and a.stride(0) % 16) or not _aligned(a):
+        return "a rows not 16-byte aligned"
+    if b.stride(0) != 1 or (N > 1 and b.stride(1) % 16) or not _aligned(b):
+        return "b not column-major with 16-byte aligned weight rows"
+    if _capability(a.device) < ((8, 9) if a.dtype == torch.float8_e4m3fn else (8, 0)):
+        return "fp8 needs sm_89+, int8 sm_80+"
+    return None
+
+
 def _prep(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
     """Flat, contiguous, 16-byte aligned, on ``device`` (copies only when needed)."""
     if t is None:
@@ -99,6 +126,9 @@ def _prep(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
 
 def launch(a, b, scale_a, scale_b, out_dtype, bias=None, *, arch: int = 0, config: int = -1):
     d = a.device
+    if arch == 0 and config == -1 and _decode_reason(a, b) is None:
+        return torch.ops.quantfuse._scaled_mm_decode_cuda(
+            a, b, _prep(scale_a, d), _prep(scale_b, d), out_dtype, _prep(bias, d))
     return torch.ops.quantfuse._scaled_mm_cutlass(
         a, b, _prep(scale_a, d), _prep(scale_b, d), out_dtype, _prep(bias, d), None, None, arch, config
     )
@@ -106,6 +136,9 @@ def launch(a, b, scale_a, scale_b, out_dtype, bias=None, *, arch: int = 0, confi
 
 def launch_azp(a, b, scale_a, scale_b, out_dtype, azp_adj, azp=None, bias=None, *, arch: int = 0, config: int = -1):
     d = a.device
+    if arch == 0 and config == -1 and _decode_reason(a, b) is None:
+        return torch.ops.quantfuse._scaled_mm_decode_cuda(
+            a, b, _prep(scale_a, d), _prep(scale_b, d), out_dtype, _prep(bias, d), _prep(azp_adj, d), _prep(azp, d))
     return torch.ops.quantfuse._scaled_mm_cutlass(
         a, b, _prep(scale_a, d), _prep(scale_b, d), out_dtype, _prep(bias, d), _prep(azp_adj, d), _prep(azp, d),
         arch, config,

@@ -1,0 +1,66 @@
+// Plain C++ interface of the W8A8 decode kernels (M <= 16), shared by the torch-facing
+// op file (scaled_mm_decode_ops.cpp) and the kernels (scaled_mm_decode_*.cu).  No torch
+// and no CUDA headers here.  The parameters are the CUTLASS path's (scaled_mm_launch.h);
+// `config` there is unused, the work split is a DecodeConfig.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "scaled_mm/scaled_mm_launch.h"
+
+namespace quantfuse::decode {
+
+// Geometry of the kernel (scaled_mm_decode.cuh): each warp owns kRowsPerWarp output
+// channels (two m16 tensor-core tiles of weight rows) and a contiguous range of K chunks of
+// kChunkBytes; a CTA's warps split K, and so do the CTAs of one thread-block cluster.
+constexpr int kRowsPerWarp = 32;
+constexpr int kChunkBytes = 64;  // K bytes per warp step: 4 lanes x 16 bytes per weight row
+constexpr int kMaxWarps = 8;     // warps per CTA
+constexpr int kMaxSplits = 8;    // CTAs per cluster along K (portable cluster size limit)
+constexpr int kMaxM = 16;        // two n8 tiles of tokens
+
+struct DecodeConfig {
+  int splits = 1;           // CTAs of one cluster along K (1: no cluster)
+  int warps = 4;            // warps per CTA, each a K partition
+  int chunks_per_part = 1;  // K chunks per (CTA, warp) partition
+};
+
+// The work split for an M x N x K problem on a GPU with `sms` SMs.  `splits` > 0 forces the
+// cluster size (tests, benchmarks); clusters (splits > 1) need sm_90 (`clusters`).
+// Aim: about kTargetWarpsPerSm warps per SM streaming the weight in one wave, each with
+// at least two chunks (128 bytes of every one of its 32 rows) to load.
+inline DecodeConfig choose_config(int64_t N, int64_t K, int sms, bool clusters, int splits = -1) {
+  constexpr int kTargetWarpsPerSm = 16;
+  const int64_t row_blocks = (N + kRowsPerWarp - 1) / kRowsPerWarp;
+  const int64_t chunks = (K + kChunkBytes - 1) / kChunkBytes;
+  DecodeConfig c;
+  if (splits > 0) {
+    c.splits = static_cast<int>(std::min<int64_t>(std::min(splits, clusters ? kMaxSplits : 1), chunks));
+    c.warps = static_cast<int>(std::clamp<int64_t>((chunks + c.splits - 1) / c.splits, 1, 4));
+  } else {
+    const int64_t target = std::max<int64_t>(1, int64_t(sms) * kTargetWarpsPerSm);
+    int64_t per_part = std::max<int64_t>(2, (chunks * row_blocks + target - 1) / target);
+    int64_t parts = std::max<int64_t>(1, (chunks + per_part - 1) / per_part);
+    if (clusters) {
+      c.warps = static_cast<int>(std::min<int64_t>(parts, 4));
+      c.splits = static_cast<int>(std::min<int64_t>((parts + c.warps - 1) / c.warps, kMaxSplits));
+      if (int64_t(c.splits) * c.warps < parts) c.warps = static_cast<int>(std::min<int64_t>(
+          (parts + c.splits - 1) / c.splits, kMaxWarps));
+    } else {
+      c.splits = 1;
+      c.warps = static_cast<int>(std::min<int64_t>(parts, kMaxWarps));
+    }
+  }
+  const int64_t p = int64_t(c.splits) * c.warps;
+  c.chunks_per_part = static_cast<int>(std::max<int64_t>(1, (chunks + p - 1) / p));
+  return c;
+}
+
+// Per-input-dtype launchers (one .cu file each); kQOk or a QStatus.  The caller checks
+// the contract: M <= kMaxM, K % 16 == 0, 16-byte aligned a/b starts and row pitches.
+// `cuda_error` receives the cudaError_t of a failed launch.
+int launch_i8(const ScaledMmParams& p, const DecodeConfig& c, int* cuda_error);
+int launch_fp8(const ScaledMmParams& p, const DecodeConfig& c, int* cuda_error);
+
+}  // namespace quantfuse::decode

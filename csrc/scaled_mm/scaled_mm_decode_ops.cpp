@@ -1,0 +1,149 @@
+// Torch-facing side of the W8A8 decode kernels (M <= 16, scaled_mm_decode.cuh): tensor
+// checks, the work split, the current stream, and the registration of
+//   quantfuse::_scaled_mm_decode_cuda(a, b, scale_a, scale_b, out_dtype, bias, azp_adj, azp, splits)
+// compile_backend/cuda/scaled_mm.py routes quantfuse.scaled_mm / scaled_mm_azp here for
+// small M; the op can also be called directly (tests, benchmarks; `splits` > 0 forces the
+// number of CTAs per cluster along K, -1 chooses).
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/all.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "scaled_mm/scaled_mm_decode.h"
+
+namespace {
+
+using quantfuse::QDType;
+using quantfuse::QEpilogue;
+using quantfuse::ScaledMmParams;
+namespace qd = quantfuse::decode;
+
+QDType to_qdtype(at::ScalarType t) {
+  switch (t) {
+    case at::kChar: return QDType::kInt8;
+    case at::kFloat8_e4m3fn: return QDType::kFp8E4M3;
+    case at::kHalf: return QDType::kF16;
+    case at::kBFloat16: return QDType::kBF16;
+    case at::kFloat: return QDType::kF32;
+    default: TORCH_CHECK(false, "quantfuse._scaled_mm_decode_cuda: unsupported dtype ", t);
+  }
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+void check_vec(const at::Tensor& t, const char* name, at::ScalarType dtype, std::vector<int64_t> sizes,
+               const at::Tensor& a) {
+  TORCH_CHECK(t.device() == a.device(), "_scaled_mm_decode_cuda: ", name, " must be on ", a.device());
+  TORCH_CHECK(t.scalar_type() == dtype && t.is_contiguous(), "_scaled_mm_decode_cuda: ", name,
+              " must be a contiguous ", dtype, " tensor");
+  bool ok = false;
+  for (int64_t s : sizes) ok = ok || t.numel() == s;
+  TORCH_CHECK(ok, "_scaled_mm_decode_cuda: ", name, " has ", t.numel(), " elements");
+}
+
+at::Tensor scaled_mm_decode_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
+                                 const at::Tensor& scale_b, at::ScalarType out_dtype,
+                                 const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& azp_adj,
+                                 const std::optional<at::Tensor>& azp, int64_t splits) {
+  TORCH_CHECK(a.is_cuda() && b.is_cuda() && a.device() == b.device(),
+              "_scaled_mm_decode_cuda: a and b must be on one CUDA device");
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(0), "_scaled_mm_decode_cuda: a ", a.sizes(),
+              " and b ", b.sizes(), " are not [M, K] x [K, N]");
+  TORCH_CHECK(a.scalar_type() == b.scalar_type() &&
+                  (a.scalar_type() == at::kChar || a.scalar_type() == at::kFloat8_e4m3fn),
+              "_scaled_mm_decode_cuda: a and b must both be int8 or float8_e4m3fn");
+  const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
+  TORCH_CHECK(M <= qd::kMaxM, "_scaled_mm_decode_cuda: M = ", M, " > ", qd::kMaxM);
+  TORCH_CHECK(K % 16 == 0 && K < (int64_t(1) << 30) && N < (int64_t(1) << 30),
+              "_scaled_mm_decode_cuda: K = ", K, " must be a multiple of 16 (and K, N < 2^30)");
+  TORCH_CHECK(a.stride(1) == 1 && (M <= 1 || a.stride(0) % 16 == 0) && aligned16(a.data_ptr()),
+              "_scaled_mm_decode_cuda: a (strides ", a.strides(), ") must be row-major with 16-byte aligned rows");
+  TORCH_CHECK(b.stride(0) == 1 && (N <= 1 || b.stride(1) % 16 == 0) && aligned16(b.data_ptr()),
+              "_scaled_mm_decode_cuda: b (strides ", b.strides(),
+              ") must be column-major (an [N, K] weight transposed) with 16-byte aligned rows");
+  check_vec(scale_a, "scale_a", at::kFloat, {1, M}, a);
+  check_vec(scale_b, "scale_b", at::kFloat, {1, N}, a);
+
+  const c10::cuda::CUDAGuard guard(a.device());
+  const auto* props = at::cuda::getCurrentDeviceProperties();
+  const int cc = props->major * 10 + props->minor;
+  const bool fp8 = a.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(cc >= (fp8 ? 89 : 80), "_scaled_mm_decode_cuda: ", fp8 ? "fp8 needs sm_89+" : "int8 needs sm_80+",
+              " (this GPU: sm_", cc, ")");
+
+  TORCH_CHECK(out_dtype == at::kHalf || out_dtype == at::kBFloat16 || out_dtype == at::kFloat,
+              "_scaled_mm_decode_cuda: out_dtype must be float16, bfloat16 or float32");
+  at::Tensor out = at::empty({M, N}, a.options().dtype(out_dtype));
+  if (M == 0 || N == 0) return out;
+  TORCH_CHECK(K > 0, "_scaled_mm_decode_cuda: K = 0 is not supported");
+
+  ScaledMmParams p;
+  p.a = a.data_ptr();
+  p.b = b.data_ptr();
+  p.d = out.data_ptr();
+  p.M = M;
+  p.N = N;
+  p.K = K;
+  p.lda = M <= 1 ? K : a.stride(0);
+  p.ldb = N <= 1 ? K : b.stride(1);
+  p.ldd = out.stride(0);
+  p.scale_a = scale_a.data_ptr<float>();
+  p.scale_a_per_token = scale_a.numel() != 1;
+  p.scale_b = scale_b.data_ptr<float>();
+  p.scale_b_per_channel = scale_b.numel() != 1;
+  p.in_dtype = to_qdtype(a.scalar_type());
+  p.out_dtype = to_qdtype(out_dtype);
+  p.epilogue = bias.has_value() ? QEpilogue::kScaledBias : QEpilogue::kScaled;
+  if (bias.has_value()) {
+    check_vec(*bias, "bias", out_dtype, {N}, a);
+    p.bias = bias->data_ptr();
+  }
+  if (azp_adj.has_value()) {
+    TORCH_CHECK(!fp8, "_scaled_mm_decode_cuda: zero points apply to int8 activations only");
+    check_vec(*azp_adj, "azp_adj", at::kInt, {N}, a);
+    p.azp_adj = azp_adj->data_ptr<int32_t>();
+    p.epilogue = QEpilogue::kAzp;
+    if (azp.has_value()) {
+      check_vec(*azp, "azp", at::kInt, {M}, a);
+      p.azp = azp->data_ptr<int32_t>();
+      p.epilogue = QEpilogue::kAzpToken;
+    }
+  } else {
+    TORCH_CHECK(!azp.has_value(), "_scaled_mm_decode_cuda: azp given without azp_adj");
+  }
+  p.device = a.get_device();
+  p.stream = at::cuda::getCurrentCUDAStream(a.get_device()).stream();
+
+  const qd::DecodeConfig config =
+      qd::choose_config(N, K, props->multiProcessorCount, cc >= 90, static_cast<int>(splits));
+  int cuda_error = 0;
+  const int status = fp8 ? qd::launch_fp8(p, config, &cuda_error) : qd::launch_i8(p, config, &cuda_error);
+  TORCH_CHECK(status == quantfuse::kQOk, "_scaled_mm_decode_cuda (M=", M, " N=", N, " K=", K, ", splits ",
+              config.splits, ", warps ", config.warps, "): ",
+              status == quantfuse::kQLaunchFailed ? cudaGetErrorString(static_cast<cudaError_t>(cuda_error))
+                                                  : "no kernel for this combination");
+  return out;
+}
+
+// The work split the op would use (benchmarks, notes): [splits, warps, chunks_per_part].
+std::vector<int64_t> scaled_mm_decode_config(int64_t N, int64_t K, int64_t splits) {
+  const auto* props = at::cuda::getCurrentDeviceProperties();
+  const qd::DecodeConfig c = qd::choose_config(N, K, props->multiProcessorCount,
+                                               props->major * 10 + props->minor >= 90, static_cast<int>(splits));
+  return {c.splits, c.warps, c.chunks_per_part};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(quantfuse, m) {
+  m.def(
+      "_scaled_mm_decode_cuda(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, ScalarType out_dtype, "
+      "Tensor? bias=None, Tensor? azp_adj=None, Tensor? azp=None, int splits=-1) -> Tensor");
+  m.def("_scaled_mm_decode_config(int N, int K, int splits=-1) -> int[]", &scaled_mm_decode_config);
+}
+
+TORCH_LIBRARY_IMPL(quantfuse, CUDA, m) { m.impl("_scaled_mm_decode_cuda", &scaled_mm_decode_cuda); }
