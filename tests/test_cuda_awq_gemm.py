@@ -143,6 +143,34 @@ def test_kernel_block_variants(M, warps):
         check_close(out, ref, mag, dtype, f"warps={warps} M={M} N={N} K={K}")
 
 
+@pytest.mark.parametrize("cluster", (True, False))
+@pytest.mark.parametrize("splits", (1, 2, 3, 5, 8))
+def test_kernel_forced_splits(splits, cluster):
+    """Every K split count, reduced on chip (a thread block cluster on sm_90) or through the
+    fp32 workspace and the reduce kernel (the path of GPUs without clusters); K ranges that
+    start inside a quantization group and splits with empty warps included."""
+    for i, (M, N, K, group) in enumerate(((1, 4096, 14336, 128), (9, 192, 4096, 32), (24, 128, 1024, 64),
+                                          (3, 256, 272, -1))):
+        gen = torch.Generator(device=DEV).manual_seed(31 * splits + i + 7 * cluster)
+        dtype = (torch.float16, torch.bfloat16)[(splits + i) % 2]
+        qw, s, qz, G, q, z = make_awq(K, N, group, dtype, gen)
+        x = make_x(M, K, dtype, gen)
+        b = (torch.randn(N, generator=gen, device=DEV) * 10).to(dtype) if i % 2 == 0 else None
+        poison(M * N, dtype)
+        out = torch.ops.quantfuse._awq_gemm_cuda(x, awq_cuda.packed_weight(qw), s, qz, G, b, 4, splits, cluster)
+        torch.cuda.synchronize()
+        ref, mag = reference64(x, q, z, s, G, b)
+        check_close(out, ref, mag, dtype, f"splits={splits} cluster={cluster} M={M} N={N} K={K} G={G}")
+
+
+def test_kernel_bad_splits():
+    gen = torch.Generator(device=DEV).manual_seed(2)
+    qw, s, qz, G, q, z = make_awq(256, 64, 64, torch.float16, gen)
+    x = make_x(1, 256, torch.float16, gen)
+    with pytest.raises(RuntimeError, match="splits must be 0"):
+        torch.ops.quantfuse._awq_gemm_cuda(x, awq_cuda.packed_weight(qw), s, qz, G, None, 0, 9)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_llama_m4096(dtype):
     run_case(4096, 4096, 4096, 128, dtype, seed=7)

@@ -62,8 +62,8 @@ def supports_gemm(x, qweight, scales, qzeros, group_size, bias=None) -> str | No
         return f"K = {K} and group_size = {group_size} must be multiples of 16"
     if x.shape[0] * max(K, N) >= 2**31 or K * N >= 2**31:
         return "sizes exceed 32-bit indexing"
-    if x.is_contiguous() and x.data_ptr() % 4 != 0:
-        return "x not 4-byte aligned"
+    if x.is_contiguous() and x.data_ptr() % 8 != 0:
+        return "x not 8-byte aligned"
     for name, t in (("scales", scales), ("qzeros", qzeros)):
         if t.is_contiguous() and t.data_ptr() % 16 != 0:
             return f"{name} not 16-byte aligned"

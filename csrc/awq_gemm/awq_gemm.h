@@ -15,10 +15,10 @@ enum class DType { kHalf = 0, kBFloat16 = 1 };
 // Columns of one weight strip in the repacked layout (one warp's N tile).
 constexpr int kStripN = 64;
 
-// Repacks AWQ qweight [K, N/8] (int32, AWQ nibble order) into the fragment layout
-// read by the GEMM kernel: [N/64][K/16][32 lanes][4 x uint32], where lane l's word j
-// holds the 8 nibbles of its mma.m16n8k16 B fragments for columns
-// strip*64 + j*16 + l/4 (+8), rows 16*kt + 2*(l%4) (+1, +8, +9).
+// Repacks AWQ qweight [K, N/8] (int32, AWQ nibble order) into the fragment layout read by
+// the GEMM kernel: [N/64][K/16][32 lanes][4 x uint32], where lane l's word j holds the 8
+// nibbles of its mma.m16n8k16 A fragment for rows (columns of N) strip*64 + 16j + l/4 (+8)
+// and k = 16*kt + 4*(l%4) + 0..3 (the kernel permutes K within a k-step; see the .cu file).
 // K % 16 == 0, N % 64 == 0.
 cudaError_t launch_repack(const uint32_t* qweight, uint32_t* out, int K, int N, cudaStream_t stream);
 
@@ -28,16 +28,22 @@ cudaError_t launch_dequantize(DType dtype, const uint32_t* qweight, const void* 
                               const uint32_t* qzeros, void* out, int K, int N, int group_size,
                               cudaStream_t stream);
 
-// Number of K splits the GEMM launch will use for this shape (1: no workspace needed).
+// Number of K splits the GEMM launch will use for this shape: 1..8.
 // warps: warps per block of the GEMM kernel, 4 or 8; 0 = the default.
 int gemm_splits(DType dtype, int M, int N, int K, int device, int warps = 0);
 
+// Whether a launch with this many splits needs the fp32 workspace (splits > 1 on a GPU
+// without thread block clusters, or with allow_cluster false; with a cluster the splits
+// reduce on chip).
+bool gemm_needs_workspace(int splits, int device, bool allow_cluster = true);
+
 // out[M, N] = x[M, K] @ W + bias, W dequantized in registers from the repacked layout.
-// partial: fp32 workspace of splits*M*N floats when splits > 1 (else unused, may be null).
-// N % 64 == 0, K % 16 == 0, group_size % 16 == 0, K % group_size == 0.
+// partial: fp32 workspace of splits*M*N floats when gemm_needs_workspace (else may be null).
+// N % 64 == 0, K % 16 == 0, group_size % 16 == 0, K % group_size == 0; x rows 8-byte aligned.
 cudaError_t launch_gemm(DType dtype, const void* x, const uint32_t* wpacked, const void* scales,
                         const uint32_t* qzeros, const void* bias, void* out, float* partial,
-                        int M, int N, int K, int group_size, int splits, int warps, cudaStream_t stream);
+                        int M, int N, int K, int group_size, int splits, int warps, int device,
+                        bool allow_cluster, cudaStream_t stream);
 
 }  // namespace awq
 }  // namespace quantfuse

@@ -1,17 +1,16 @@
 // quantfuse AWQ W4A16 CUDA kernels (CUDA headers only; no torch).
 //
-// * awq_gemm_kernel: streams the repacked int4 weights once (16-byte cp.async.cg per lane,
-//   L1 bypassed, a per-warp shared-memory ring of 11 steps in flight), dequantizes them in
-//   registers (lop3 + magic number, zeros and scales in half2/bfloat162 math) straight
-//   into mma.sync.m16n8k16 B fragments, and accumulates in fp32.  Each warp owns a
-//   64-column strip and a contiguous K range; the 8 warps of a block reduce through
-//   shared memory; blocks split K when the strips alone cannot fill the GPU, and a
-//   second small kernel sums the fp32 partials.
+// * awq_gemm_kernel (small M): streams the repacked int4 weights once (16-byte evict-first
+//   loads, 8 per lane in flight in registers), dequantizes them in registers (lop3 + magic
+//   number, zeros and scales in half2/bfloat162 math) straight into mma.sync.m16n8k16 A
+//   fragments, and accumulates in fp32.  A block owns a 64-row strip of N; its warps and, when
+//   the strips cannot fill the GPU, a cluster of blocks split K (details at the kernel).
 // * awq_dequantize_kernel: the original AWQ layout to a dense [K, N] weight.
 // * awq_repack_kernel: the original AWQ layout to the GEMM's fragment layout.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -23,7 +22,6 @@ namespace awq {
 namespace {
 
 constexpr int kDefaultWarps = 4;  // warps per block of the GEMM kernel (4 or 8)
-constexpr int kRedStride = kStripN + 8;  // padded row of the reduction buffer (floats)
 
 // Logical column 8c+i of a packed int32 sits at nibble kOrder(i) = [0,4,1,5,2,6,3,7][i].
 __host__ __device__ __forceinline__ int awq_order(int i) { return (i >> 1) + 4 * (i & 1); }
@@ -46,32 +44,32 @@ __device__ __forceinline__ __nv_bfloat162 as_b2(uint32_t v) { return *reinterpre
 template <typename T>
 struct Dq;
 
-// fp16: per column pair the zero is held as (1024 + z) for the low nibbles and
-// -(64 + z) for the high nibbles; both give q - z exactly, one rounding at * s.
+// fp16: per weight row the zero is held as (1024 + z) for the low nibbles and -(64 + z) for
+// the high nibbles (bit patterns 0x6400 | z and 0xD400 | z << 4); both give q - z exactly,
+// one rounding at * s.
 template <>
 struct Dq<__half> {
-  struct Col {
-    uint32_t zlo, zhi, s;
+  struct Row {
+    uint32_t zlo, zhi, s;  // each duplicated into both halves
   };
-  __device__ __forceinline__ static Col make(__half s, int z) {
-    Col c;
-    c.zlo = as_u32(__half2half2(__float2half_rn(1024.0f + z)));
-    c.zhi = as_u32(__half2half2(__float2half_rn(-64.0f - z)));
-    c.s = as_u32(__half2half2(s));
-    return c;
+  __device__ __forceinline__ static Row make(uint32_t s_bits, uint32_t z) {
+    Row r;
+    r.zlo = (0x6400u | z) * 0x10001u;
+    r.zhi = (0xD400u | (z << 4)) * 0x10001u;
+    r.s = s_bits * 0x10001u;
+    return r;
   }
-  // word: 8 nibbles of two n8 fragments; b[c][0..1] = mma B registers of n8 tile c.
-  __device__ __forceinline__ static void frag(uint32_t w, const Col& c0, const Col& c1, uint32_t (&b)[2][2]) {
+  // w: the 8 nibbles of one lane's m16n8k16 A fragment; nibble pairs (0,4) (1,5) are row g at
+  // k-slots (2t, 2t+1) and (2t+8, 2t+9), pairs (2,6) (3,7) the same for row g + 8.
+  __device__ __forceinline__ static void frag(uint32_t w, const Row& r0, const Row& r8, uint32_t (&a)[4]) {
     const __half2 sixteenth = __half2half2(__ushort_as_half(0x2c00));  // 1/16
     const uint32_t w8 = w >> 8;
-    const uint32_t lo0 = lop3_and_or<0x000f000fu, 0x64006400u>(w);
-    const uint32_t hi0 = lop3_and_or<0x00f000f0u, 0x64006400u>(w);
-    const uint32_t lo1 = lop3_and_or<0x000f000fu, 0x64006400u>(w8);
-    const uint32_t hi1 = lop3_and_or<0x00f000f0u, 0x64006400u>(w8);
-    b[0][0] = as_u32(__hmul2(__hsub2(as_h2(lo0), as_h2(c0.zlo)), as_h2(c0.s)));
-    b[0][1] = as_u32(__hmul2(__hfma2(as_h2(hi0), sixteenth, as_h2(c0.zhi)), as_h2(c0.s)));
-    b[1][0] = as_u32(__hmul2(__hsub2(as_h2(lo1), as_h2(c1.zlo)), as_h2(c1.s)));
-    b[1][1] = as_u32(__hmul2(__hfma2(as_h2(hi1), sixteenth, as_h2(c1.zhi)), as_h2(c1.s)));
+    a[0] = as_u32(__hmul2(__hsub2(as_h2(lop3_and_or<0x000f000fu, 0x64006400u>(w)), as_h2(r0.zlo)), as_h2(r0.s)));
+    a[2] = as_u32(__hmul2(__hfma2(as_h2(lop3_and_or<0x00f000f0u, 0x64006400u>(w)), sixteenth, as_h2(r0.zhi)),
+                          as_h2(r0.s)));
+    a[1] = as_u32(__hmul2(__hsub2(as_h2(lop3_and_or<0x000f000fu, 0x64006400u>(w8)), as_h2(r8.zlo)), as_h2(r8.s)));
+    a[3] = as_u32(__hmul2(__hfma2(as_h2(lop3_and_or<0x00f000f0u, 0x64006400u>(w8)), sixteenth, as_h2(r8.zhi)),
+                          as_h2(r8.s)));
   }
   // Column-ordered pairs (original AWQ layout): pair p = columns 2p, 2p+1 of the word.
   __device__ __forceinline__ static uint32_t pair(uint32_t q, uint32_t z, uint32_t s2) {
@@ -94,23 +92,24 @@ struct Dq<__half> {
 // 128.0 (0x4300); subtracting (128 + z) gives q - z exactly, one rounding at * s.
 template <>
 struct Dq<__nv_bfloat16> {
-  struct Col {
-    uint32_t zb, s;
+  struct Row {
+    uint32_t zb, s;  // (128 + z) = 0x4300 | z, and the scale, each in both halves
   };
-  __device__ __forceinline__ static Col make(__nv_bfloat16 s, int z) {
-    Col c;
-    c.zb = as_u32(__bfloat162bfloat162(__float2bfloat16_rn(128.0f + z)));
-    c.s = as_u32(__bfloat162bfloat162(s));
-    return c;
+  __device__ __forceinline__ static Row make(uint32_t s_bits, uint32_t z) {
+    Row r;
+    r.zb = (0x4300u | z) * 0x10001u;
+    r.s = s_bits * 0x10001u;
+    return r;
   }
   __device__ __forceinline__ static uint32_t sub_mul(uint32_t t, uint32_t zb, uint32_t s) {
     return as_u32(__hmul2(__hsub2(as_b2(t), as_b2(zb)), as_b2(s)));
   }
-  __device__ __forceinline__ static void frag(uint32_t w, const Col& c0, const Col& c1, uint32_t (&b)[2][2]) {
-    b[0][0] = sub_mul(lop3_and_or<0x000f000fu, 0x43004300u>(w), c0.zb, c0.s);
-    b[0][1] = sub_mul(lop3_and_or<0x000f000fu, 0x43004300u>(w >> 4), c0.zb, c0.s);
-    b[1][0] = sub_mul(lop3_and_or<0x000f000fu, 0x43004300u>(w >> 8), c1.zb, c1.s);
-    b[1][1] = sub_mul(lop3_and_or<0x000f000fu, 0x43004300u>(w >> 12), c1.zb, c1.s);
+  // Same fragment layout as the fp16 one; nibble pair (i, i+4) is shifted to the bottom.
+  __device__ __forceinline__ static void frag(uint32_t w, const Row& r0, const Row& r8, uint32_t (&a)[4]) {
+    a[0] = sub_mul(lop3_and_or<0x000f000fu, 0x43004300u>(w), r0.zb, r0.s);
+    a[2] = sub_mul(lop3_and_or<0x000f000fu, 0x43004300u>(w >> 4), r0.zb, r0.s);
+    a[1] = sub_mul(lop3_and_or<0x000f000fu, 0x43004300u>(w >> 8), r8.zb, r8.s);
+    a[3] = sub_mul(lop3_and_or<0x000f000fu, 0x43004300u>(w >> 12), r8.zb, r8.s);
   }
   __device__ __forceinline__ static uint32_t pair(uint32_t q, uint32_t z, uint32_t s2) {
     const uint32_t tq = lop3_and_or<0x000f000fu, 0x43004300u>(q);
@@ -130,43 +129,55 @@ struct Dq<__nv_bfloat16> {
 
 // ----------------------------------------------------------------------------- GEMM
 
-// Per-warp ring of kRing k-steps in shared memory, filled by cp.async (16 bytes per lane
-// per step: the lane's own fragments), so that ~kRing-1 steps of weights per warp are in
-// flight without holding registers.  (An L2 evict_first cache hint on these cp.async
-// faulted with "illegal instruction" on the H100 (driver 580, nvcc 13.0): left out.)  A step that starts a quantization group also
-// brings the strip's 64 scales (128 B) and 8 packed zero words (32 B).
-constexpr int kRing = 12;
-constexpr int kSlotW = 512;                  // weights: 32 lanes x 16 B
-constexpr int kSlotS = kStripN * 2;          // scales of the strip (fp16/bf16)
-constexpr int kSlotZ = 32;                   // 8 packed zero words
-constexpr int kSlot = kSlotW + kSlotS + kSlotZ;
-constexpr int smem_bytes(int warps) { return warps * kRing * kSlot; }
-static_assert(kRing * kSlot >= 16 * kRedStride * 4, "reduction buffer aliases the ring");
+// The weight is the mma A operand (16 rows of N per fragment), the activations the B operand
+// (8 tokens per n8 tile), so one 16-byte load per lane feeds four m16n8k16 MMAs (the four
+// 16-row tiles of a 64-row strip at one k-step) with no data exchange between lanes.  K is
+// permuted inside each k-step (the same way for weights and activations; a dot product does
+// not care about order): lane t's mma k-slots {2t, 2t+1, 2t+8, 2t+9} hold actual k = 16*kt +
+// 4t + {0, 1, 2, 3}, so its activations are one 8-byte load per token tile.
+//
+// Work split: a block owns one strip and a contiguous K range, its warps split that range;
+// warp partials meet in shared memory (atomic adds); K splits across blocks are a thread
+// block cluster on sm_90 (partials summed through distributed shared memory, no workspace,
+// no second kernel), elsewhere an fp32 workspace and splitk_reduce_kernel.
+constexpr int kTiles = kStripN / 16;   // 16-row MMA tiles per strip
+constexpr int kPrefetch = 6;           // k-steps of weights in flight per lane (16 B each)
+constexpr int kRedStride = kStripN + 4;  // floats per token row of the reduction buffer:
+                                         // 2 * 68 = 8 (mod 32 banks) keeps the adds conflict-free
+constexpr int kMaxCluster = 8;         // portable cluster size
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  const uint32_t s = (uint32_t)__cvta_generic_to_shared(smem);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+// Weights are read once: a streaming load (evict-first in L1 and L2).
+__device__ __forceinline__ uint4 load_stream(const uint4* p) { return __ldcs(p); }
 
-// Grid: x = N/64 strips, y = K splits, z = M tiles of 16*MT rows.  Block: W warps, each
-// a contiguous share of the block's K range for the block's 64-column strip.
-template <typename T, int MT, int W>
-__global__ void __launch_bounds__(W * 32) awq_gemm_kernel(
+// One quantization group's scales and zeros for this lane's 8 rows (rows g and g + 8 of the
+// strip's four 16-row tiles), raw, so the next group's can be in flight while this one is used.
+template <typename T>
+struct GroupRaw {
+  uint4 z[2];           // the strip's 8 packed zero words (AWQ nibble order)
+  uint32_t s[kTiles][2];  // scale bits of rows 16j + g and 16j + g + 8
+};
+
+// Resident warps per SM the register budget must allow: enough 16-byte loads in flight to
+// cover DRAM latency (fewer for more token tiles, whose accumulators need the registers).
+constexpr int min_warps_per_sm(int nt) { return nt == 1 ? 16 : (nt == 2 ? 12 : 8); }
+
+template <typename T, int NT, int W, bool CLUSTER>
+__global__ void __launch_bounds__(W * 32, min_warps_per_sm(NT) / W) awq_gemm_kernel(
     const T* __restrict__ x, const uint4* __restrict__ wp, const T* __restrict__ scales,
     const uint32_t* __restrict__ qzeros, const T* __restrict__ bias, T* __restrict__ out,
-    float* __restrict__ partial, int M, int N, int K, int group_size, int splits) {
+    float* __restrict__ partial, int M, int N, int K, int group_size) {
   using D = Dq<T>;
-  using Col = typename D::Col;
-  extern __shared__ __align__(16) unsigned char smem[];
+  using Row = typename D::Row;
+  __shared__ __align__(16) float red[8 * NT * kRedStride];
 
-  const int strip = blockIdx.x;
-  const int split = blockIdx.y;
-  const int m0 = blockIdx.z * 16 * MT;
+  const int splits = gridDim.x;
+  const int split = blockIdx.x;
+  const int strip = blockIdx.y;
+  const int m0 = blockIdx.z * 8 * NT;
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
+  const int g = lane >> 2;
+  const int t = lane & 3;
   const int KT = K >> 4;
   const int per_block = (KT + splits - 1) / splits;
   const int kb = min(KT, split * per_block);
@@ -174,150 +185,153 @@ __global__ void __launch_bounds__(W * 32) awq_gemm_kernel(
   const int per_warp = (ke - kb + W - 1) / W;
   const int wb = min(ke, kb + warp * per_warp);
   const int we = min(ke, wb + per_warp);
-  const int steps = we - wb;
 
-  float acc[MT][8][4];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int t = 0; t < 8; ++t)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[mt][t][i] = 0.0f;
+  for (int i = threadIdx.x; i < 8 * NT * kRedStride; i += W * 32) red[i] = 0.0f;
 
-  unsigned char* ring = smem + warp * (kRing * kSlot);
+  float acc[kTiles][NT][4];
+#pragma unroll
+  for (int j = 0; j < kTiles; ++j)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[j][nt][i] = 0.0f;
+
+  const T* xrow[NT];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const int m = m0 + nt * 8 + g;
+    xrow[nt] = m < M ? x + (size_t)m * K + 4 * t : nullptr;
+  }
   const uint4* wl = wp + (size_t)strip * KT * 32 + lane;
-  const T* s_strip = scales + strip * kStripN;
-  const uint32_t* z_strip = qzeros + strip * (kStripN / 8);
-  const int n8 = N >> 3;
-
-  // Position inside its quantization group of the next step to issue / to consume
-  // (steps are issued and consumed in order; a group start needs its scales/zeros).
   const int gsteps = group_size >> 4;
-  int issue_pos = wb % gsteps;
-  int use_pos = issue_pos;
-  auto issue = [&](int i) {
-    const bool start = i == 0 || issue_pos == 0;
-    issue_pos = issue_pos + 1 == gsteps ? 0 : issue_pos + 1;
-    if (i < steps) {
-      unsigned char* slot = ring + (i % kRing) * kSlot;
-      const int kt = wb + i;
-      cp_async16(slot + lane * 16, wl + (size_t)kt * 32);
-      if (start && lane < 10) {
-        const int g = (kt << 4) / group_size;
-        if (lane < 8)
-          cp_async16(slot + kSlotW + lane * 16, s_strip + (size_t)g * N + lane * 8);
-        else
-          cp_async16(slot + kSlotW + kSlotS + (lane - 8) * 16, z_strip + (size_t)g * n8 + (lane - 8) * 4);
-      }
-    }
-    cp_async_commit();  // possibly empty: keeps one group per step
-  };
+  const int groups = K / group_size;
+  const uint16_t* s_lane = reinterpret_cast<const uint16_t*>(scales) + strip * kStripN + g;
+  const uint4* z_strip = reinterpret_cast<const uint4*>(qzeros + strip * (kStripN / 8));
+  const int zshift = 4 * awq_order(g);
 
-  const int arow = lane >> 2;
-  const int acol = 2 * (lane & 3);
-  const int zshift = 4 * awq_order(lane >> 2);
-  const T* arow_ptr[MT][2];
+  auto load_group = [&](int grp, GroupRaw<T>& r) {
+    const uint4* zp = z_strip + (size_t)grp * (N >> 5);
+    r.z[0] = __ldg(zp);
+    r.z[1] = __ldg(zp + 1);
+    const uint16_t* sp = s_lane + (size_t)grp * N;
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = m0 + mt * 16 + arow + 8 * h;
-      arow_ptr[mt][h] = r < M ? x + (size_t)r * K + acol : nullptr;
+    for (int j = 0; j < kTiles; ++j) {
+      r.s[j][0] = __ldg(sp + 16 * j);
+      r.s[j][1] = __ldg(sp + 16 * j + 8);
     }
-  auto load_a = [&](int kt, uint32_t (&a)[MT][4]) {
-    const int ko = kt << 4;
+  };
+  Row rows[kTiles][2];
+  auto make_rows = [&](const GroupRaw<T>& r) {
+    const uint32_t zw[8] = {r.z[0].x, r.z[0].y, r.z[0].z, r.z[0].w, r.z[1].x, r.z[1].y, r.z[1].z, r.z[1].w};
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      a[mt][0] = arow_ptr[mt][0] ? __ldg(reinterpret_cast<const unsigned int*>(arow_ptr[mt][0] + ko)) : 0u;
-      a[mt][1] = arow_ptr[mt][1] ? __ldg(reinterpret_cast<const unsigned int*>(arow_ptr[mt][1] + ko)) : 0u;
-      a[mt][2] = arow_ptr[mt][0] ? __ldg(reinterpret_cast<const unsigned int*>(arow_ptr[mt][0] + ko + 8)) : 0u;
-      a[mt][3] = arow_ptr[mt][1] ? __ldg(reinterpret_cast<const unsigned int*>(arow_ptr[mt][1] + ko + 8)) : 0u;
+    for (int j = 0; j < kTiles; ++j) {
+      // row 16j + g + 8h of the strip: packed word 2j + h, nibble awq_order(g)
+      rows[j][0] = D::make(r.s[j][0], (zw[2 * j] >> zshift) & 0xFu);
+      rows[j][1] = D::make(r.s[j][1], (zw[2 * j + 1] >> zshift) & 0xFu);
     }
   };
 
-#pragma unroll
-  for (int i = 0; i < kRing - 1; ++i) issue(i);
+  int grp = wb / gsteps;
+  int pos = wb - grp * gsteps;  // steps of the current group already behind us
+  GroupRaw<T> next;
+  if (wb < we) {
+    GroupRaw<T> first;
+    load_group(grp, first);
+    if (grp + 1 < groups) load_group(grp + 1, next);
+    make_rows(first);
+  }
 
-  Col cols[8];
-  uint32_t a_next[MT][4];
-  if (steps > 0) load_a(wb, a_next);
-
-  for (int i = 0; i < steps; ++i) {
-    cp_async_wait<kRing - 2>();  // this step's group has landed (own copies)
-    __syncwarp();                // ... and the other lanes' (scales/zeros), and all lanes left step i-1
-    const unsigned char* slot = ring + (i % kRing) * kSlot;
-    const uint4 w = *reinterpret_cast<const uint4*>(slot + lane * 16);
-    const bool start = i == 0 || use_pos == 0;
-    use_pos = use_pos + 1 == gsteps ? 0 : use_pos + 1;
-    if (start) {
-      const T* ss = reinterpret_cast<const T*>(slot + kSlotW);
-      const uint32_t* zz = reinterpret_cast<const uint32_t*>(slot + kSlotW + kSlotS);
-#pragma unroll
-      for (int c = 0; c < 8; ++c) {  // c = 2*j + half: column 16j + 8*half + lane/4 of the strip
-        const int z = (int)((zz[c] >> zshift) & 0xFu);
-        cols[c] = D::make(ss[8 * c + (lane >> 2)], z);
-      }
+  auto step = [&](const uint4& w, int kt) {
+    if (pos == gsteps) {
+      pos = 0;
+      ++grp;
+      make_rows(next);
+      if (grp + 1 < groups) load_group(grp + 1, next);
     }
-    __syncwarp();      // every lane has read slot i before any lane refills slot i-1 ... i
-    issue(i + kRing - 1);  // refills slot (i - 1) % kRing
-    uint32_t a[MT][4];
+    ++pos;
+    uint32_t b[NT][2];
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
+    for (int nt = 0; nt < NT; ++nt) {
+      uint2 v = make_uint2(0u, 0u);
+      if (xrow[nt] != nullptr) v = __ldg(reinterpret_cast<const uint2*>(xrow[nt] + (kt << 4)));
+      b[nt][0] = v.x;
+      b[nt][1] = v.y;
+    }
+    const uint32_t words[kTiles] = {w.x, w.y, w.z, w.w};
 #pragma unroll
-      for (int r = 0; r < 4; ++r) a[mt][r] = a_next[mt][r];
-    if (i + 1 < steps) load_a(wb + i + 1, a_next);
-    const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+    for (int j = 0; j < kTiles; ++j) {
+      uint32_t a[4];
+      D::frag(words[j], rows[j][0], rows[j][1], a);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      uint32_t b[2][2];
-      D::frag(words[j], cols[2 * j], cols[2 * j + 1], b);
+      for (int nt = 0; nt < NT; ++nt) D::mma(acc[j][nt], a, b[nt]);
+    }
+  };
+
+  uint4 buf[kPrefetch];
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        D::mma(acc[mt][2 * j], a[mt], b[0]);
-        D::mma(acc[mt][2 * j + 1], a[mt], b[1]);
-      }
+  for (int u = 0; u < kPrefetch; ++u)
+    if (wb + u < we) buf[u] = load_stream(wl + (size_t)(wb + u) * 32);
+  int kt = wb;
+  for (; kt + kPrefetch <= we; kt += kPrefetch) {
+#pragma unroll
+    for (int u = 0; u < kPrefetch; ++u) {
+      const uint4 w = buf[u];
+      if (kt + u + kPrefetch < we) buf[u] = load_stream(wl + (size_t)(kt + u + kPrefetch) * 32);
+      step(w, kt + u);
     }
   }
-  cp_async_wait<0>();
-  __syncthreads();  // the ring becomes the reduction buffer
+#pragma unroll
+  for (int u = 0; u < kPrefetch; ++u)
+    if (kt + u < we) step(buf[u], kt + u);
 
-  float* red = reinterpret_cast<float*>(smem);
-  // Reduce the W warps' partial tiles, one 16-row M tile at a time.
+  // C fragment: [0], [1] = row 16j + g, tokens 8nt + 2t (+1); [2], [3] = row 16j + g + 8.
+  __syncthreads();  // red zeroed by every thread
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-    float* mine = red + warp * 16 * kRedStride;
+  for (int j = 0; j < kTiles; ++j)
 #pragma unroll
-    for (int t = 0; t < 8; ++t) {
-      const int col = t * 8 + acol;
-      *reinterpret_cast<float2*>(mine + arow * kRedStride + col) = make_float2(acc[mt][t][0], acc[mt][t][1]);
-      *reinterpret_cast<float2*>(mine + (arow + 8) * kRedStride + col) = make_float2(acc[mt][t][2], acc[mt][t][3]);
-    }
-    __syncthreads();
-    for (int e = threadIdx.x; e < 16 * (kStripN / 4); e += W * 32) {
-      const int row = e >> 4;         // 0..15
-      const int col = (e & 15) * 4;   // 0..60
-      float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-      for (int w = 0; w < W; ++w) {
-        const float4 v = *reinterpret_cast<const float4*>(red + w * 16 * kRedStride + row * kRedStride + col);
-        s.x += v.x; s.y += v.y; s.z += v.z; s.w += v.w;
+      for (int i = 0; i < 4; ++i) {
+        const int token = nt * 8 + 2 * t + (i & 1);
+        const int row = 16 * j + g + 8 * (i >> 1);
+        atomicAdd(&red[token * kRedStride + row], acc[j][nt][i]);
       }
-      const int gm = m0 + mt * 16 + row;
-      const int gn = strip * kStripN + col;
-      if (gm < M) {
-        if (partial != nullptr) {
-          *reinterpret_cast<float4*>(partial + ((size_t)split * M + gm) * N + gn) = s;
-        } else {
-          if (bias != nullptr) {
-            s.x += D::to_float(bias[gn]); s.y += D::to_float(bias[gn + 1]);
-            s.z += D::to_float(bias[gn + 2]); s.w += D::to_float(bias[gn + 3]);
-          }
-          T o[4] = {D::from_float(s.x), D::from_float(s.y), D::from_float(s.z), D::from_float(s.w)};
-          *reinterpret_cast<uint2*>(out + (size_t)gm * N + gn) = *reinterpret_cast<const uint2*>(o);
-        }
+  __syncthreads();
+
+  const int mb = min(8 * NT, M - m0);  // tokens of this block
+  const int elems = mb * kStripN;
+  if constexpr (CLUSTER) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    namespace cg = cooperative_groups;
+    cg::cluster_group cluster = cg::this_cluster();
+    cluster.sync();  // every block's partial is complete
+    // Block `split` of the cluster finishes a 1/splits share of the strip's outputs.
+    const int share = (elems + splits - 1) / splits;
+    const int e0 = split * share;
+    const int e1 = min(elems, e0 + share);
+    for (int e = e0 + threadIdx.x; e < e1; e += W * 32) {
+      const int token = e / kStripN;
+      const int col = e - token * kStripN;
+      float v = 0.0f;
+      for (int r = 0; r < splits; ++r) v += cluster.map_shared_rank(red, r)[token * kRedStride + col];
+      const int n = strip * kStripN + col;
+      if (bias != nullptr) v += D::to_float(bias[n]);
+      out[(size_t)(m0 + token) * N + n] = D::from_float(v);
+    }
+    cluster.sync();  // peers' shared memory stays alive until every block has read it
+#endif
+  } else {
+    for (int e = threadIdx.x; e < elems; e += W * 32) {
+      const int token = e / kStripN;
+      const int col = e - token * kStripN;
+      const float v = red[token * kRedStride + col];
+      const int n = strip * kStripN + col;
+      if (partial != nullptr) {
+        partial[((size_t)split * M + m0 + token) * N + n] = v;
+      } else {
+        out[(size_t)(m0 + token) * N + n] = D::from_float(bias != nullptr ? v + D::to_float(bias[n]) : v);
       }
     }
-    __syncthreads();
   }
 }
 
@@ -372,6 +386,9 @@ __global__ void awq_dequantize_kernel(const uint32_t* __restrict__ qweight, cons
 
 // ----------------------------------------------------------------------------- repack
 
+// Word j of lane (g, t) at k-step kt of a strip is the A fragment of the strip's tile j:
+// nibble i holds W[k][n] with n = strip*64 + 16j + g + 8*((i >> 1) & 1) and
+// k = 16*kt + 4t + (i >> 2) + 2*(i & 1) (see Dq::frag and the K permutation above).
 __global__ void awq_repack_kernel(const uint32_t* __restrict__ qweight, uint32_t* __restrict__ out, int K, int N) {
   const int KT = K >> 4;
   const int n8 = N >> 3;
@@ -384,11 +401,11 @@ __global__ void awq_repack_kernel(const uint32_t* __restrict__ qweight, uint32_t
     uint32_t word = 0;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      const int k = kt * 16 + 2 * (lane & 3) + (i & 1) + 8 * ((i >> 1) & 1);
-      const int n = strip * kStripN + j * 16 + (lane >> 2) + 8 * (i >> 2);
+      const int k = kt * 16 + 4 * (lane & 3) + (i >> 2) + 2 * (i & 1);
+      const int n = strip * kStripN + j * 16 + (lane >> 2) + 8 * ((i >> 1) & 1);
       const uint32_t src = __ldg(qweight + (size_t)k * n8 + (n >> 3));
       const uint32_t q = (src >> (4 * awq_order(n & 7))) & 0xFu;
-      word |= q << (4 * awq_order(i));
+      word |= q << (4 * i);
     }
     out[o] = word;
   }
@@ -407,14 +424,23 @@ int sm_count(int device) {
   return cached[device];
 }
 
-// Raises the kernel's dynamic shared-memory limit (once) and returns its occupancy.
-template <typename T, int MT, int W>
-int prepare_kernel() {
+bool cluster_launch(int device) {
+  static int cached[64] = {0};  // 0 unknown, 1 no, 2 yes
+  if (device < 0 || device >= 64) return false;
+  if (cached[device] == 0) {
+    int ok = 0;
+    if (cudaDeviceGetAttribute(&ok, cudaDevAttrClusterLaunch, device) != cudaSuccess) ok = 0;
+    cached[device] = ok ? 2 : 1;
+  }
+  return cached[device] == 2;
+}
+
+template <typename T, int NT, int W, bool CLUSTER>
+int occupancy_of() {
   static int cached = 0;
   if (cached == 0) {
-    cudaFuncSetAttribute(awq_gemm_kernel<T, MT, W>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes(W));
     int n = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, awq_gemm_kernel<T, MT, W>, W * 32, smem_bytes(W)) !=
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, awq_gemm_kernel<T, NT, W, CLUSTER>, W * 32, 0) !=
             cudaSuccess || n <= 0)
       n = 1;
     cached = n;
@@ -422,70 +448,88 @@ int prepare_kernel() {
   return cached;
 }
 
-int mt_for(int M) { return M <= 16 ? 1 : (M <= 32 ? 2 : 4); }
+// Token tiles of 8 per block: 1, 2 or 4 (M > 32 runs several token blocks).
+int nt_for(int M) { return M <= 8 ? 1 : (M <= 16 ? 2 : 4); }
 int warps_for(int warps) { return warps == 8 ? 8 : (warps == 4 ? 4 : kDefaultWarps); }
 
 template <typename T, int W>
-int occupancy(int mt) {
-  return mt == 1 ? prepare_kernel<T, 1, W>() : (mt == 2 ? prepare_kernel<T, 2, W>() : prepare_kernel<T, 4, W>());
+int occupancy(int nt) {
+  return nt == 1 ? occupancy_of<T, 1, W, false>() : (nt == 2 ? occupancy_of<T, 2, W, false>()
+                                                             : occupancy_of<T, 4, W, false>());
 }
 
-// Memory-bound: all blocks resident at once (one round: each warp streams one long
-// contiguous K range, paying the pipeline fill once), as many as fit; K splits only to
-// fill the slots, each warp keeping at least 4 steps.
+// Memory-bound: one wave of resident blocks, each streaming a contiguous K range.  K is split
+// over blocks only as far as needed to occupy every block slot of the GPU, each warp keeping
+// at least two k-steps; a cluster holds at most kMaxCluster blocks.
 template <typename T>
 int splits_for(int M, int N, int K, int device, int warps) {
   const int W = warps_for(warps);
-  const int mt = mt_for(M);
-  const int occ = W == 8 ? occupancy<T, 8>(mt) : occupancy<T, 4>(mt);
-  const int tiles = (N / kStripN) * ((M + 16 * mt - 1) / (16 * mt));
+  const int nt = nt_for(M);
+  const int occ = W == 8 ? occupancy<T, 8>(nt) : occupancy<T, 4>(nt);
+  const int blocks = (N / kStripN) * ((M + 8 * nt - 1) / (8 * nt));
   const int slots = sm_count(device) * occ;
-  const int KT = K / 16;
-  int max_s = KT / (W * 4);
-  if (max_s > 16) max_s = 16;
-  if (max_s < 1) max_s = 1;
-  int s = slots / tiles;
-  if (s < 1) s = 1;
-  return s > max_s ? max_s : s;
+  int s = slots / blocks;
+  const int max_s = (K / 16) / (W * 2);
+  if (s > max_s) s = max_s;
+  if (s > kMaxCluster) s = kMaxCluster;
+  return s < 1 ? 1 : s;
 }
 
-template <typename T, int MT, int W>
+template <typename T, int NT, int W>
 cudaError_t run_gemm(const void* x, const uint32_t* wp, const void* scales, const uint32_t* qzeros,
                      const void* bias, void* out, float* partial, int M, int N, int K, int group_size, int splits,
-                     cudaStream_t stream) {
-  prepare_kernel<T, MT, W>();
-  dim3 grid(N / kStripN, splits, (M + 16 * MT - 1) / (16 * MT));
-  awq_gemm_kernel<T, MT, W><<<grid, W * 32, smem_bytes(W), stream>>>(
-      static_cast<const T*>(x), reinterpret_cast<const uint4*>(wp), static_cast<const T*>(scales), qzeros,
-      static_cast<const T*>(bias), static_cast<T*>(out), splits > 1 ? partial : nullptr, M, N, K, group_size,
-      splits);
+                     bool cluster, cudaStream_t stream) {
+  const dim3 grid(splits, N / kStripN, (M + 8 * NT - 1) / (8 * NT));
+  const T* xp = static_cast<const T*>(x);
+  const uint4* wq = reinterpret_cast<const uint4*>(wp);
+  const T* sp = static_cast<const T*>(scales);
+  const T* bp = static_cast<const T*>(bias);
+  T* op = static_cast<T*>(out);
+  if (splits > 1 && cluster) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(W * 32);
+    cfg.dynamicSmemBytes = 0;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = splits;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    return cudaLaunchKernelEx(&cfg, awq_gemm_kernel<T, NT, W, true>, xp, wq, sp, qzeros, bp, op,
+                              static_cast<float*>(nullptr), M, N, K, group_size);
+  }
+  awq_gemm_kernel<T, NT, W, false><<<grid, W * 32, 0, stream>>>(xp, wq, sp, qzeros, bp, op,
+                                                                 splits > 1 ? partial : nullptr, M, N, K, group_size);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || splits <= 1) return err;
   const size_t quads = (size_t)M * N / 4;
   const int threads = 256;
-  splitk_reduce_kernel<T><<<(unsigned)((quads + threads - 1) / threads), threads, 0, stream>>>(
-      partial, static_cast<const T*>(bias), static_cast<T*>(out), M, N, splits);
+  splitk_reduce_kernel<T><<<(unsigned)((quads + threads - 1) / threads), threads, 0, stream>>>(partial, bp, op, M, N,
+                                                                                            splits);
   return cudaGetLastError();
 }
 
 template <typename T, int W>
 cudaError_t gemm_warps(const void* x, const uint32_t* wp, const void* scales, const uint32_t* qzeros,
                        const void* bias, void* out, float* partial, int M, int N, int K, int group_size, int splits,
-                       cudaStream_t stream) {
-  switch (mt_for(M)) {
-    case 1: return run_gemm<T, 1, W>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, stream);
-    case 2: return run_gemm<T, 2, W>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, stream);
-    default: return run_gemm<T, 4, W>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, stream);
+                       bool cluster, cudaStream_t stream) {
+  switch (nt_for(M)) {
+    case 1: return run_gemm<T, 1, W>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, stream);
+    case 2: return run_gemm<T, 2, W>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, stream);
+    default: return run_gemm<T, 4, W>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, stream);
   }
 }
 
 template <typename T>
 cudaError_t gemm_dtype(const void* x, const uint32_t* wp, const void* scales, const uint32_t* qzeros,
                        const void* bias, void* out, float* partial, int M, int N, int K, int group_size, int splits,
-                       int warps, cudaStream_t stream) {
+                       int warps, bool cluster, cudaStream_t stream) {
   if (warps_for(warps) == 8)
-    return gemm_warps<T, 8>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, stream);
-  return gemm_warps<T, 4>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, stream);
+    return gemm_warps<T, 8>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, stream);
+  return gemm_warps<T, 4>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, stream);
 }
 
 unsigned grid_for(size_t work, int threads) {
@@ -521,15 +565,22 @@ int gemm_splits(DType dtype, int M, int N, int K, int device, int warps) {
                                : splits_for<__nv_bfloat16>(M, N, K, device, warps);
 }
 
+bool gemm_needs_workspace(int splits, int device, bool allow_cluster) {
+  return splits > 1 && !(allow_cluster && cluster_launch(device));
+}
+
 cudaError_t launch_gemm(DType dtype, const void* x, const uint32_t* wpacked, const void* scales,
                         const uint32_t* qzeros, const void* bias, void* out, float* partial, int M, int N, int K,
-                        int group_size, int splits, int warps, cudaStream_t stream) {
+                        int group_size, int splits, int warps, int device, bool allow_cluster, cudaStream_t stream) {
   if (M <= 0) return cudaSuccess;
+  if (splits < 1 || splits > kMaxCluster) return cudaErrorInvalidValue;
+  const bool cluster = splits > 1 && !gemm_needs_workspace(splits, device, allow_cluster);
+  if (splits > 1 && !cluster && partial == nullptr) return cudaErrorInvalidValue;
   if (dtype == DType::kHalf)
     return gemm_dtype<__half>(x, wpacked, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, warps,
-                              stream);
+                              cluster, stream);
   return gemm_dtype<__nv_bfloat16>(x, wpacked, scales, qzeros, bias, out, partial, M, N, K, group_size, splits,
-                                   warps, stream);
+                                   warps, cluster, stream);
 }
 
 }  // namespace awq

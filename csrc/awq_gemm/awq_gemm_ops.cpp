@@ -89,8 +89,9 @@ at::Tensor awq_dequantize_cuda(const at::Tensor& qweight, const at::Tensor& scal
 // x [M, K] @ W (repacked by awq_repack_cuda) + bias.
 at::Tensor awq_gemm_cuda(const at::Tensor& x, const at::Tensor& wpacked, const at::Tensor& scales,
                          const at::Tensor& qzeros, int64_t group_size, const std::optional<at::Tensor>& bias,
-                         int64_t warps) {
+                         int64_t warps, int64_t splits, bool cluster) {
   TORCH_CHECK(warps == 0 || warps == 4 || warps == 8, "quantfuse awq_gemm: warps must be 0, 4 or 8");
+  TORCH_CHECK(splits >= 0 && splits <= 8, "quantfuse awq_gemm: splits must be 0 (automatic) or 1..8, got ", splits);
   check_cuda_contig(x, "x");
   check_cuda_contig(wpacked, "wpacked");
   TORCH_CHECK(x.dim() == 2, "quantfuse awq_gemm: 'x' must be 2-D [M, K]");
@@ -104,7 +105,7 @@ at::Tensor awq_gemm_cuda(const at::Tensor& x, const at::Tensor& wpacked, const a
   TORCH_CHECK(K % 16 == 0 && group_size % 16 == 0, "quantfuse awq_gemm: K (", K, ") and group_size (", group_size,
               ") must be multiples of 16");
   check_awq_args(scales, qzeros, K, N, group_size);
-  check_aligned(x, "x", 4);
+  check_aligned(x, "x", 8);
   check_aligned(wpacked, "wpacked");
   check_aligned(scales, "scales");
   check_aligned(qzeros, "qzeros");
@@ -121,13 +122,16 @@ at::Tensor awq_gemm_cuda(const at::Tensor& x, const at::Tensor& wpacked, const a
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   if (K == 0) return bias.has_value() ? bias->unsqueeze(0).expand({M, N}).contiguous() : out.zero_();
-  const int splits = quantfuse::awq::gemm_splits(dt, (int)M, (int)N, (int)K, x.get_device(), (int)warps);
+  const int device = x.get_device();
+  const int nsplit =
+      splits > 0 ? (int)splits : quantfuse::awq::gemm_splits(dt, (int)M, (int)N, (int)K, device, (int)warps);
   at::Tensor partial;
-  if (splits > 1) partial = at::empty({splits, M, N}, x.options().dtype(at::kFloat));
+  if (quantfuse::awq::gemm_needs_workspace(nsplit, device, cluster))
+    partial = at::empty({nsplit, M, N}, x.options().dtype(at::kFloat));
   check_launch(quantfuse::awq::launch_gemm(dt, x.data_ptr(), reinterpret_cast<const uint32_t*>(wpacked.data_ptr<int32_t>()),
                                            scales.data_ptr(), reinterpret_cast<const uint32_t*>(qzeros.data_ptr<int32_t>()),
-                                           bias_ptr, out.data_ptr(), splits > 1 ? partial.data_ptr<float>() : nullptr,
-                                           (int)M, (int)N, (int)K, (int)group_size, splits, (int)warps,
+                                           bias_ptr, out.data_ptr(), partial.defined() ? partial.data_ptr<float>() : nullptr,
+                                           (int)M, (int)N, (int)K, (int)group_size, nsplit, (int)warps, device, cluster,
                                            at::cuda::getCurrentCUDAStream()),
                "awq_gemm");
   return out;
@@ -144,7 +148,7 @@ TORCH_LIBRARY_FRAGMENT(quantfuse, m) {
   m.def("_awq_repack_cuda(Tensor qweight) -> Tensor");
   m.def("_awq_dequantize_cuda(Tensor qweight, Tensor scales, Tensor qzeros, int group_size) -> Tensor");
   m.def("_awq_gemm_cuda(Tensor x, Tensor wpacked, Tensor scales, Tensor qzeros, int group_size, "
-        "Tensor? bias=None, int warps=0) -> Tensor");
+        "Tensor? bias=None, int warps=0, int splits=0, bool cluster=True) -> Tensor");
   m.def("_awq_gemm_splits(int M, int N, int K, bool bf16, int device, int warps=0) -> int", &awq_gemm_splits);
 }
 
