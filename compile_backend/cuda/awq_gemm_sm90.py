@@ -1,0 +1,119 @@
+"""AWQ W4A16 prefill on Hopper (csrc/awq_gemm/awq_gemm_sm90*): CUTLASS 3.x mixed-input GEMM.
+
+The int4 weight is converted to fp16/bf16 in registers inside a TMA + wgmma
+warp-specialized GEMM (CUTLASS's ``ConvertAndScaleWithZero`` mode: ``w = q * s + zero'``
+with ``zero' = -z * s``), on the swapped problem ``out^T = W^T x^T`` so that the narrow
+operand is the register-sourced one.
+
+* ``supports_prefill(...)``: ``None`` when the kernel takes the inputs, else the reason.
+* ``launch_prefill(...)``: ``x @ W + bias``.  The weight is prepared (int4 moved to the
+  kernel's [N, K] reordered layout, the zeros folded into ``-z * s``) by
+  ``_awq_prepare_sm90_cuda`` once per weight and kept in a cache keyed by the
+  (qweight, scales, qzeros) tensors (identity, storage pointer and ``_version`` of each);
+  an entry goes when its qweight is garbage-collected, and nothing is cached while a CUDA
+  stream is capturing (memory allocated then belongs to the graph's pool).
+
+Which M to send here is the caller's choice (see benchmarks/notes_awq.md for the
+crossover against dequantize + cuBLAS).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+
+TILE_K = 64  # K % 64 == 0; group_size % 64 == 0 or group_size == K (csrc: kTileK)
+ALIGN_N = 128  # N % 128 == 0 (csrc: kAlignN)
+
+_ACT_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def supports_prefill(x, qweight, scales, qzeros, group_size, bias=None) -> str | None:
+    """None if the SM90 prefill kernel takes these inputs, else why not (then the caller
+    runs another path).  Malformed inputs raise (the op's own checks)."""
+    from ..ops import _check_awq
+
+    K, N = _check_awq("awq_gemm", qweight, scales, qzeros, group_size, x, bias)
+    tensors = [x, qweight, scales, qzeros] + ([bias] if bias is not None else [])
+    if not all(t.is_cuda for t in tensors):
+        return "tensors are not all on a CUDA device"
+    if len({t.device for t in tensors}) != 1:
+        return "tensors are on different devices"
+    if x.dtype not in _ACT_DTYPES:
+        return f"dtype {x.dtype} (the kernel takes float16/bfloat16)"
+    if torch.cuda.get_device_capability(x.device) != (9, 0):
+        return "not an sm_90 GPU (the kernel uses sm_90a wgmma/TMA)"
+    if K % TILE_K != 0:
+        return f"K = {K} is not a multiple of {TILE_K}"
+    if N % ALIGN_N != 0:
+        return f"N = {N} is not a multiple of {ALIGN_N}"
+    if group_size != K and group_size % TILE_K != 0:
+        return f"group_size = {group_size} is below/not a multiple of the kernel's K tile ({TILE_K})"
+    M = x.shape[0]
+    if M * K >= 2**31 or M * N >= 2**31 or N * K >= 2**31:
+        return "sizes exceed 32-bit indexing"
+    if x.is_contiguous() and x.data_ptr() % 16 != 0:
+        return "x not 16-byte aligned (TMA)"
+    return None
+
+
+# --------------------------------------------------------------------------- prepare cache
+
+_cache: dict[int, tuple] = {}
+_cache_lock = threading.Lock()
+stats = {"prepares": 0, "hits": 0}
+
+
+def _drop(key: int) -> None:
+    with _cache_lock:
+        _cache.pop(key, None)
+
+
+def _signature(t: torch.Tensor) -> tuple:
+    return (t.data_ptr(), t._version)
+
+
+def prepared(qweight, scales, qzeros, group_size, reorder: bool = True):
+    """(wq, scales', zeros') for the kernel, made once per weight (again only if one of
+    the three tensors is replaced or modified in place)."""
+    key = id(qweight)
+    sig = (_signature(qweight), _signature(scales), _signature(qzeros), group_size, reorder)
+    entry = _cache.get(key)
+    if entry is not None:
+        refs, e_sig, value = entry
+        if all(r() is t for r, t in zip(refs, (qweight, scales, qzeros))) and e_sig == sig:
+            stats["hits"] += 1
+            return value
+    value = torch.ops.quantfuse._awq_prepare_sm90_cuda(
+        qweight.contiguous(), scales.contiguous(), qzeros.contiguous(), group_size, reorder)
+    stats["prepares"] += 1
+    if torch.cuda.is_current_stream_capturing():
+        return value
+    with _cache_lock:
+        if key not in _cache:
+            weakref.finalize(qweight, _drop, key)
+        _cache[key] = ((weakref.ref(qweight), weakref.ref(scales), weakref.ref(qzeros)), sig, value)
+    return value
+
+
+def clear_cache() -> None:
+    with _cache_lock:
+        _cache.clear()
+
+
+# --------------------------------------------------------------------------- launch
+
+
+def launch_prefill(x, qweight, scales, qzeros, group_size, bias=None, config: int = -1):
+    """``x @ W + bias`` through the SM90 mixed-input kernel (inputs must pass
+    ``supports_prefill``).  ``config`` >= 0 forces a tile configuration (benchmarks)."""
+    M, N = x.shape[0], qweight.shape[1] * 8
+    if M == 0:
+        return x.new_empty((0, N))
+    reorder = True if config < 0 else torch.ops.quantfuse._awq_sm90_config_reorders(config)
+    wq, s, z = prepared(qweight, scales, qzeros, group_size, reorder)
+    x = x.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    return torch.ops.quantfuse._awq_gemm_sm90_cuda(x, wq, s, z, group_size, bias, config)

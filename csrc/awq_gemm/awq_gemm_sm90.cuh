@@ -1,0 +1,223 @@
+// AWQ W4A16 prefill GEMM on Hopper: CUTLASS 3.x mixed-input warp-specialized kernel
+// assembly, tile configurations and the prepared int4 layout.  Included only by
+// awq_gemm_sm90_{f16,bf16}.cu (and nothing here includes torch).
+//
+// Problem (swapped, see awq_gemm_sm90.h):  D^T[N, M] = W^T[N, K] . x^T[K, M] + bias[N]
+//   kernel "A"  = the int4 weight, [N, K] K-major, cutlass::uint4b_t (q in 0..15), with
+//                 group-wise scale [K/g, N] and zero' = -z*s [K/g, N] (both N-contiguous,
+//                 which is what the collective's "MN-major" scale stride means here);
+//   kernel "B"  = x [M, K] K-major;
+//   kernel "D"  = D^T [N, M] column-major == out [M, N] row-major, through an EVT
+//                 acc + bias, bias a column broadcast (per kernel row = per channel), nullable.
+#pragma once
+
+// Device asserts make ptxas serialise the wgmma pipeline; build without them.
+#ifndef NDEBUG
+#define NDEBUG
+#endif
+
+#include <cuda_runtime.h>
+
+#include "cutlass/cutlass.h"
+#include "cute/tensor.hpp"
+#include "cutlass/numeric_types.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/fusion/sm90_visitor_tma_warpspecialized.hpp"
+#include "cutlass/epilogue/fusion/sm90_visitor_load_tma_warpspecialized.hpp"
+#include "cutlass/epilogue/fusion/sm90_visitor_compute_tma_warpspecialized.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+
+#include "awq_gemm/awq_gemm_sm90.h"
+
+namespace quantfuse::awq_sm90 {
+
+using namespace cute;
+
+// ------------------------------------------------------------------ prepared int4 layout
+// One warp's share of a 64x16 (rows x k) wgmma A fragment is a 16x16 block; lane
+// l = 4*(r%8) + (k%8)/2 holds 8 values v = (k%2) + 2*(r/8) + 4*(k/8).  Storing each lane's
+// 8 values contiguously (one 32-bit shared-memory load per fragment) at position
+// 4*(v%2) + v/2 (order [0,2,4,6,1,3,5,7]: value pairs (0,1), (2,3), ... sit in nibbles
+// i and i+4, which the converter turns into one half2/bfloat162 each with one lop3 + one
+// sub/fma) gives offset(r, k) = 32*(r%8) + (r/8) + 4*(k%2) + 8*((k/2)%4) + 2*(k/8).
+// This is the atom CUTLASS's compute_memory_reordering_atom<T, _1, [0,2,4,6,1,3,5,7]>
+// yields for 16-bit MMAs (checked offline: identical for all 256 points).
+using QuantAtom = Layout<Shape<Shape<_8, _2>, Shape<_2, _4, _2>>, Stride<Stride<_32, _1>, Stride<_4, _8, _2>>>;
+// Tiled over (N, K, L=1): 16x16 atoms, n-blocks fastest.
+using LayoutQReordered = decltype(tile_to_shape(QuantAtom{}, make_shape(int{}, int{}, int{})));
+
+inline LayoutQReordered make_layout_q_reordered(int N, int K) {
+  return tile_to_shape(QuantAtom{}, make_shape(N, K, 1));
+}
+
+// The sm_80 device pass (CI compiles every file for sm_90a and sm_80) must not
+// instantiate the Hopper mainloop: the kernel body exists only for sm_90a.
+template <class Kernel>
+struct Sm90Only : Kernel {
+  template <class... Args>
+  CUTLASS_DEVICE void operator()(Args&&... args) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    Kernel::operator()(std::forward<Args>(args)...);
+#endif
+  }
+};
+
+// ------------------------------------------------------------------ tile configurations
+// Tile = (weight rows [kernel M], tokens [kernel N], K).  Pingpong: one consumer warpgroup
+// per tile, two alternating (one's epilogue hides under the other's mainloop); Cooperative:
+// both warpgroups on one tile (128 weight rows, 64 each).
+template <int TM, int TN, int TK, bool Coop, int ClusterM = 1, bool Reorder = true>
+struct Config {
+  using Tile = Shape<Int<TM>, Int<TN>, Int<TK>>;
+  using Cluster = Shape<Int<ClusterM>, _1, _1>;
+  using KernelSchedule = std::conditional_t<Coop, cutlass::gemm::KernelTmaWarpSpecializedCooperative,
+                                            cutlass::gemm::KernelTmaWarpSpecializedPingpong>;
+  using EpiSchedule = std::conditional_t<Coop, cutlass::epilogue::TmaWarpSpecializedCooperative,
+                                         cutlass::epilogue::TmaWarpSpecialized>;
+  static constexpr bool kReorder = Reorder;
+  static constexpr int kTileK = TK;
+};
+
+// 0: medium M (64 < M <= 256 class): 64 weight rows x 128 tokens, ping-pong: many CTAs
+//    along N (N/64 x ceil(M/128)) so that M = 256 still fills the 132 SMs.
+using ConfigMedium = Config<64, 128, 64, false>;
+// 1: large M: 128 x 256 cooperative (each warpgroup 64 x 256).
+using ConfigLarge = Config<128, 256, 64, true>;
+
+template <class T, class Cfg>
+struct AwqGemm {
+  using ElementQ = cutlass::uint4b_t;
+  using ElementAcc = float;
+  using Tile = typename Cfg::Tile;
+  using Cluster = typename Cfg::Cluster;
+  using LayoutQ = std::conditional_t<Cfg::kReorder, LayoutQReordered, cutlass::layout::RowMajor>;
+  using LayoutX = cutlass::layout::ColumnMajor;  // x [M, K] as the kernel's "B" [M, K] K-major
+  using LayoutD = cutlass::layout::ColumnMajor;  // D^T [N, M]
+  static constexpr int kAlignQ = 128 / cutlass::sizeof_bits<ElementQ>::value;  // 32
+  static constexpr int kAlignT = 128 / cutlass::sizeof_bits<T>::value;         // 8
+
+  using Bias = cutlass::epilogue::fusion::Sm90ColBroadcast<0, Tile, T, float, Stride<_1, _0, _0>, 1, true>;
+  using Add = cutlass::epilogue::fusion::Sm90Compute<cutlass::plus, T, float,
+                                                     cutlass::FloatRoundStyle::round_to_nearest>;
+  using EVT = cutlass::epilogue::fusion::Sm90EVT<Add, cutlass::epilogue::fusion::Sm90AccFetch, Bias>;
+
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
+      cutlass::epilogue::collective::EpilogueTileAuto, ElementAcc, float,
+      void, LayoutD, kAlignT,  // no C operand
+      T, LayoutD, kAlignT, typename Cfg::EpiSchedule, EVT>::CollectiveOp;
+
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
+      cute::tuple<ElementQ, T, T>, LayoutQ, kAlignQ,  // ConvertAndScaleWithZero
+      T, LayoutX, kAlignT,
+      ElementAcc, Tile, Cluster,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      typename Cfg::KernelSchedule>::CollectiveOp;
+
+  using KernelBase = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, CollectiveMainloop,
+                                                          CollectiveEpilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Sm90Only<KernelBase>>;
+
+  static int sm_count(int device) {
+    static int counts[64] = {0};
+    if (device < 0 || device >= 64) return 0;
+    if (counts[device] == 0) {
+      int c = 0;
+      cudaDeviceGetAttribute(&c, cudaDevAttrMultiProcessorCount, device);
+      counts[device] = c;
+    }
+    return counts[device];
+  }
+
+  static int run(const GemmParams& p) {
+    using StrideQ = typename CollectiveMainloop::StrideA;
+    using StrideX = typename KernelBase::StrideB;
+    using StrideD = typename KernelBase::StrideD;
+    using StrideS = typename CollectiveMainloop::StrideScale;
+    const int N = static_cast<int>(p.N), M = static_cast<int>(p.M), K = static_cast<int>(p.K);
+    if (K % Cfg::kTileK != 0) return kCannotImplement;
+
+    StrideQ stride_q{};
+    if constexpr (Cfg::kReorder) {
+      stride_q = make_layout_q_reordered(N, K);
+    } else {
+      get<0>(stride_q) = K;
+      get<2>(stride_q) = int64_t(N) * K;
+    }
+    StrideX stride_x{};
+    get<0>(stride_x) = K;
+    get<2>(stride_x) = int64_t(M) * K;
+    StrideD stride_d{};
+    get<1>(stride_d) = N;
+    get<2>(stride_d) = int64_t(M) * N;
+    StrideS stride_s{};
+    get<1>(stride_s) = N;
+    get<2>(stride_s) = int64_t(N) * (K / p.group_size);
+
+    typename EVT::Arguments evt{{}, {static_cast<const T*>(p.bias), T(0), {}}, {}};
+    typename Gemm::Arguments args{
+        cutlass::gemm::GemmUniversalMode::kGemm,
+        {N, M, K, 1},
+        {static_cast<const ElementQ*>(p.wq), stride_q, static_cast<const T*>(p.x), stride_x,
+         static_cast<const T*>(p.scales), stride_s, p.group_size, static_cast<const T*>(p.zeros)},
+        {evt, nullptr, stride_d, static_cast<T*>(p.out), stride_d}};
+    args.hw_info.device_id = p.device;
+    args.hw_info.sm_count = sm_count(p.device);
+
+    Gemm gemm;
+    if (gemm.can_implement(args) != cutlass::Status::kSuccess) return kCannotImplement;
+    const size_t ws_bytes = Gemm::get_workspace_size(args);
+    void* ws = nullptr;
+    if (ws_bytes > 0) {
+      if (p.alloc == nullptr) return kInitFailed;
+      ws = p.alloc(ws_bytes, p.alloc_ctx);
+    }
+    auto stream = static_cast<cudaStream_t>(p.stream);
+    if (gemm.initialize(args, ws, stream) != cutlass::Status::kSuccess) return kInitFailed;
+    if (gemm.run(stream) != cutlass::Status::kSuccess) return kLaunchFailed;
+    return cudaPeekAtLastError() == cudaSuccess ? kOk : kLaunchFailed;
+  }
+};
+
+// ------------------------------------------------------------------ weight preparation
+// AWQ packing: logical column 8c+i of a packed int32 sits at nibble (i%2)*4 + i/2.
+CUTLASS_HOST_DEVICE constexpr int awq_nibble(int i) { return (i % 2) * 4 + i / 2; }
+
+// zeros_out[g, n] = -z[g, n] * s[g, n]: the product is exact in fp32 (4 x 11 bits), so one
+// rounding to T.
+template <class T>
+__global__ void prepare_zeros_kernel(const uint32_t* __restrict__ qzeros, const T* __restrict__ scales,
+                                     T* __restrict__ zeros_out, int64_t total, int N) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= total) return;
+  const int64_t g = i / N;
+  const int n = static_cast<int>(i % N);
+  const uint32_t z = (qzeros[g * (N / 8) + n / 8] >> (4 * awq_nibble(n % 8))) & 0xFu;
+  zeros_out[i] = T(-static_cast<float>(z) * static_cast<float>(scales[i]));
+}
+
+template <class T>
+cudaError_t prepare_zeros(const uint32_t* qzeros, const void* scales, void* zeros_out, int groups, int N,
+                          cudaStream_t stream) {
+  const int64_t total = int64_t(groups) * N;
+  if (total == 0) return cudaSuccess;
+  const int threads = 256;
+  prepare_zeros_kernel<T><<<static_cast<unsigned>((total + threads - 1) / threads), threads, 0, stream>>>(
+      qzeros, static_cast<const T*>(scales), static_cast<T*>(zeros_out), total, N);
+  return cudaGetLastError();
+}
+
+cudaError_t prepare_zeros_bf16(const uint32_t* qzeros, const void* scales, void* zeros_out, int groups, int N,
+                               cudaStream_t stream);
+
+// Development-only extra configurations register here (fp16); see awq_gemm_sm90_f16.cu.
+using GemmFn = int (*)(const GemmParams&);
+GemmFn* extra_configs();
+constexpr int kMaxConfigs = 16;
+
+}  // namespace quantfuse::awq_sm90

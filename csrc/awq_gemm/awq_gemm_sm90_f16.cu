@@ -1,0 +1,82 @@
+// AWQ W4A16 prefill GEMM on Hopper, float16 activations (see awq_gemm_sm90.cuh), plus the
+// dtype-independent pieces: the int4 weight preparation, the config choice, and the
+// registry of development-only configs.
+#include "awq_gemm/awq_gemm_sm90.cuh"
+
+namespace quantfuse::awq_sm90 {
+
+namespace {
+
+// One thread per packed int32 of qweight [K, N/8]: its 8 values q[k, 8c..8c+7], one byte
+// each, to their place in the prepared layout (tmp, one byte per value).
+template <class LayoutQ>
+__global__ void scatter_kernel(const uint32_t* __restrict__ qweight, uint8_t* __restrict__ tmp, int K, int N,
+                               LayoutQ layout) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int C = N / 8;
+  if (i >= int64_t(K) * C) return;
+  const int k = static_cast<int>(i / C), c = static_cast<int>(i % C);
+  const uint32_t w = qweight[i];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    tmp[layout(8 * c + j, k, 0)] = static_cast<uint8_t>((w >> (4 * awq_nibble(j))) & 0xFu);
+  }
+}
+
+// Two values per byte, element 2i in the low nibble (CUTLASS's sub-byte order).
+__global__ void pack_kernel(const uint8_t* __restrict__ tmp, uint8_t* __restrict__ out, int64_t nbytes) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= nbytes) return;
+  out[i] = static_cast<uint8_t>((tmp[2 * i] & 0xF) | (tmp[2 * i + 1] << 4));
+}
+
+}  // namespace
+
+cudaError_t launch_prepare_weight(const uint32_t* qweight, uint8_t* tmp, uint8_t* out, int K, int N, bool reorder,
+                                  cudaStream_t stream) {
+  const int64_t words = int64_t(K) * (N / 8);
+  if (words == 0) return cudaSuccess;
+  const int threads = 256;
+  const unsigned blocks = static_cast<unsigned>((words + threads - 1) / threads);
+  if (reorder) {
+    scatter_kernel<<<blocks, threads, 0, stream>>>(qweight, tmp, K, N, make_layout_q_reordered(N, K));
+  } else {
+    auto plain = make_layout(make_shape(N, K, 1), make_stride(int64_t(K), _1{}, int64_t(N) * K));
+    scatter_kernel<<<blocks, threads, 0, stream>>>(qweight, tmp, K, N, plain);
+  }
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  const int64_t nbytes = int64_t(N) * K / 2;
+  pack_kernel<<<static_cast<unsigned>((nbytes + threads - 1) / threads), threads, 0, stream>>>(tmp, out, nbytes);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_prepare_zeros(DType dtype, const uint32_t* qzeros, const void* scales, void* zeros_out, int groups,
+                                 int N, cudaStream_t stream) {
+  if (dtype == DType::kHalf) return prepare_zeros<cutlass::half_t>(qzeros, scales, zeros_out, groups, N, stream);
+  return prepare_zeros_bf16(qzeros, scales, zeros_out, groups, N, stream);
+}
+
+GemmFn* extra_configs() {
+  static GemmFn table[kMaxConfigs] = {};
+  return table;
+}
+
+// Measured on an H100 (benchmarks/notes_awq.md): the 64x128 ping-pong config up to
+// M = 256 tokens, the 128x256 cooperative one above.
+int choose_config(int64_t M, int64_t /*N*/) { return M <= 256 ? 0 : 1; }
+
+bool config_reorders(int config) { return config != 6; }
+
+int gemm_f16(const GemmParams& p) {
+  const int cfg = p.config >= 0 ? p.config : choose_config(p.M, p.N);
+  switch (cfg) {
+    case 0: return AwqGemm<cutlass::half_t, ConfigMedium>::run(p);
+    case 1: return AwqGemm<cutlass::half_t, ConfigLarge>::run(p);
+    default:
+      if (cfg < kMaxConfigs && extra_configs()[cfg] != nullptr) return extra_configs()[cfg](p);
+      return kUnsupported;
+  }
+}
+
+}  // namespace quantfuse::awq_sm90

@@ -1,0 +1,171 @@
+// quantfuse AWQ W4A16 prefill on Hopper: tensor checks and op registration for the
+// CUTLASS mixed-input kernels (awq_gemm_sm90_*.cu).  Called from
+// compile_backend/cuda/awq_gemm_sm90.py:
+//   _awq_prepare_sm90_cuda(qweight, scales, qzeros, group_size, reorder=True)
+//       -> (wq uint8 [N, K/2] in the kernel's int4 layout, scales [K/g, N] (a copy),
+//           zeros [K/g, N] = -z * s), once per weight;
+//   _awq_gemm_sm90_cuda(x, wq, scales, zeros, group_size, bias=None, config=-1) -> out [M, N].
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/all.h>
+
+#include <cstdint>
+#include <optional>
+#include <tuple>
+
+#include "awq_gemm/awq_gemm_sm90.h"
+
+namespace {
+
+namespace qa = quantfuse::awq_sm90;
+
+qa::DType dtype_of(const at::Tensor& t, const char* name) {
+  if (t.scalar_type() == at::kHalf) return qa::DType::kHalf;
+  if (t.scalar_type() == at::kBFloat16) return qa::DType::kBFloat16;
+  TORCH_CHECK(false, "quantfuse awq_sm90: '", name, "' has dtype ", t.scalar_type(), "; expected float16 or bfloat16");
+}
+
+void check_cuda_contig(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_cuda(), "quantfuse awq_sm90: '", name, "' must be a CUDA tensor");
+  TORCH_CHECK(t.is_contiguous(), "quantfuse awq_sm90: '", name, "' must be contiguous");
+}
+
+void check_aligned(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "quantfuse awq_sm90: '", name,
+              "' must be 16-byte aligned");
+}
+
+void check_shapes(int64_t K, int64_t N, int64_t group_size) {
+  TORCH_CHECK(K % qa::kTileK == 0 && N % qa::kAlignN == 0, "quantfuse awq_sm90: K (", K, ") must be a multiple of ",
+              qa::kTileK, " and N (", N, ") of ", qa::kAlignN);
+  TORCH_CHECK(group_size > 0 && K % group_size == 0 && (group_size % qa::kTileK == 0 || group_size == K),
+              "quantfuse awq_sm90: group_size ", group_size, " must divide K = ", K, " and be a multiple of ",
+              qa::kTileK, " (or equal K)");
+  TORCH_CHECK(N * K < (int64_t(1) << 31), "quantfuse awq_sm90: N * K too large for 32-bit indexing");
+}
+
+void check_cuda(cudaError_t err, const char* what) {
+  TORCH_CHECK(err == cudaSuccess, "quantfuse awq_sm90: ", what, " failed: ", cudaGetErrorString(err));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> awq_prepare_sm90_cuda(const at::Tensor& qweight,
+                                                                     const at::Tensor& scales,
+                                                                     const at::Tensor& qzeros, int64_t group_size,
+                                                                     bool reorder) {
+  check_cuda_contig(qweight, "qweight");
+  check_cuda_contig(scales, "scales");
+  check_cuda_contig(qzeros, "qzeros");
+  TORCH_CHECK(qweight.scalar_type() == at::kInt && qweight.dim() == 2, "quantfuse awq_sm90: 'qweight' must be 2-D int32");
+  const int64_t K = qweight.size(0), N = qweight.size(1) * 8;
+  check_shapes(K, N, group_size);
+  const int64_t groups = K / group_size;
+  const qa::DType dt = dtype_of(scales, "scales");
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == groups && scales.size(1) == N, "quantfuse awq_sm90: 'scales' has shape ",
+              scales.sizes(), "; expected (", groups, ", ", N, ")");
+  TORCH_CHECK(qzeros.scalar_type() == at::kInt && qzeros.dim() == 2 && qzeros.size(0) == groups &&
+                  qzeros.size(1) == N / 8,
+              "quantfuse awq_sm90: 'qzeros' must be int32 of shape (", groups, ", ", N / 8, ")");
+  const c10::cuda::CUDAGuard guard(qweight.device());
+  auto stream = at::cuda::getCurrentCUDAStream();
+  at::Tensor wq = at::empty({N, K / 2}, qweight.options().dtype(at::kByte));
+  at::Tensor zeros = at::empty({groups, N}, scales.options());
+  at::Tensor scales_out = scales.clone();
+  if (K > 0 && N > 0) {
+    at::Tensor tmp = at::empty({N * K}, qweight.options().dtype(at::kByte));
+    check_cuda(qa::launch_prepare_weight(reinterpret_cast<const uint32_t*>(qweight.data_ptr<int32_t>()),
+                                         tmp.data_ptr<uint8_t>(), wq.data_ptr<uint8_t>(), (int)K, (int)N, reorder,
+                                         stream),
+               "awq_prepare_sm90 (weight)");
+    check_cuda(qa::launch_prepare_zeros(dt, reinterpret_cast<const uint32_t*>(qzeros.data_ptr<int32_t>()),
+                                        scales.data_ptr(), zeros.data_ptr(), (int)groups, (int)N, stream),
+               "awq_prepare_sm90 (zeros)");
+  }
+  return {wq, scales_out, zeros};
+}
+
+void* alloc_workspace(std::size_t bytes, void* ctx) {
+  auto* holder = static_cast<at::Tensor*>(ctx);
+  *holder = at::empty({static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA));
+  return holder->data_ptr();
+}
+
+at::Tensor awq_gemm_sm90_cuda(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
+                              const at::Tensor& zeros, int64_t group_size, const std::optional<at::Tensor>& bias,
+                              int64_t config) {
+  check_cuda_contig(x, "x");
+  check_cuda_contig(wq, "wq");
+  check_cuda_contig(scales, "scales");
+  check_cuda_contig(zeros, "zeros");
+  TORCH_CHECK(x.dim() == 2, "quantfuse awq_sm90: 'x' must be 2-D [M, K]");
+  const qa::DType dt = dtype_of(x, "x");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(wq.scalar_type() == at::kByte && wq.dim() == 2 && wq.size(1) * 2 == K,
+              "quantfuse awq_sm90: 'wq' has shape ", wq.sizes(), " and dtype ", wq.scalar_type(),
+              "; expected uint8 (N, K/2) from _awq_prepare_sm90_cuda");
+  const int64_t N = wq.size(0);
+  check_shapes(K, N, group_size);
+  const int64_t groups = K / group_size;
+  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{scales, "scales"}, {zeros, "zeros"}}) {
+    TORCH_CHECK(t.scalar_type() == x.scalar_type() && t.dim() == 2 && t.size(0) == groups && t.size(1) == N,
+                "quantfuse awq_sm90: '", name, "' must be (", groups, ", ", N, ") in the dtype of 'x'");
+    check_aligned(t, name);
+  }
+  check_aligned(x, "x");
+  check_aligned(wq, "wq");
+  const void* bias_ptr = nullptr;
+  if (bias.has_value()) {
+    check_cuda_contig(*bias, "bias");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == x.scalar_type(),
+                "quantfuse awq_sm90: 'bias' must be [N] in the dtype of 'x'");
+    bias_ptr = bias->data_ptr();
+  }
+  TORCH_CHECK(M * K < (int64_t(1) << 31) && M * N < (int64_t(1) << 31),
+              "quantfuse awq_sm90: sizes too large for 32-bit indexing");
+  TORCH_CHECK(config >= -1 && config < 16, "quantfuse awq_sm90: config must be -1 (auto) or 0..15");
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  at::Tensor workspace;
+  qa::GemmParams p;
+  p.x = x.data_ptr();
+  p.wq = wq.data_ptr();
+  p.scales = scales.data_ptr();
+  p.zeros = zeros.data_ptr();
+  p.bias = bias_ptr;
+  p.out = out.data_ptr();
+  p.M = M;
+  p.N = N;
+  p.K = K;
+  p.group_size = static_cast<int>(group_size);
+  p.config = static_cast<int>(config);
+  p.device = x.get_device();
+  p.stream = at::cuda::getCurrentCUDAStream().stream();
+  p.alloc = &alloc_workspace;
+  p.alloc_ctx = &workspace;
+  const int status = dt == qa::DType::kHalf ? qa::gemm_f16(p) : qa::gemm_bf16(p);
+  TORCH_CHECK(status == qa::kOk, "quantfuse awq_sm90: GEMM failed (status ", status, ", config ", config, ", M=", M,
+              ", N=", N, ", K=", K, ", group_size=", group_size, ")");
+  return out;
+}
+
+int64_t awq_sm90_config(int64_t M, int64_t N) { return quantfuse::awq_sm90::choose_config(M, N); }
+
+bool awq_sm90_config_reorders(int64_t config) { return quantfuse::awq_sm90::config_reorders((int)config); }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(quantfuse, m) {
+  m.def("_awq_prepare_sm90_cuda(Tensor qweight, Tensor scales, Tensor qzeros, int group_size, bool reorder=True) "
+        "-> (Tensor, Tensor, Tensor)");
+  m.def("_awq_gemm_sm90_cuda(Tensor x, Tensor wq, Tensor scales, Tensor zeros, int group_size, Tensor? bias=None, "
+        "int config=-1) -> Tensor");
+  m.def("_awq_sm90_config(int M, int N) -> int", &awq_sm90_config);
+  m.def("_awq_sm90_config_reorders(int config) -> bool", &awq_sm90_config_reorders);
+}
+
+TORCH_LIBRARY_IMPL(quantfuse, CUDA, m) {
+  m.impl("_awq_prepare_sm90_cuda", &awq_prepare_sm90_cuda);
+  m.impl("_awq_gemm_sm90_cuda", &awq_gemm_sm90_cuda);
+}

@@ -1,0 +1,207 @@
+"""GPU tests of the Hopper AWQ prefill kernel (csrc/awq_gemm/awq_gemm_sm90*,
+compile_backend/cuda/awq_gemm_sm90.py).
+
+Skipped without CUDA; on a GPU other than sm_90 only the "unsupported" answer is checked.
+Every case draws fresh random data (zeros include 0 and 15, scales span ~1.6 decades,
+activations ~100 with a few near fp16's top), and compares with a float64 reference of
+x @ ((q - z) * s) computed from the integers.
+
+Tolerance (derived, not tuned).  The kernel computes w = q*s + zero' in the activation
+dtype with zero' = -z*s rounded once (prepare), the product q*s and the sum each rounded
+(or fused), then an fp32-accumulated wgmma and one rounding of the output.  With u the
+unit roundoff (2^-11 fp16, 2^-8 bf16) each weight's error is at most
+e = u * (|z s| + |q s| + |w|) (1 + u), so
+  |out - ref| <= u |ref| + |x| @ e + K * 2^-23 * (|x| @ |w|)          (elementwise, hard)
+and, the rounding errors being independent with random signs,
+  ||out - ref|| <= u ||ref|| + || sqrt(x^2 @ e^2) ||                   (norm, expected)
+(the norm of the error if every term reached its bound with a random sign; the actual
+errors are uniformly distributed below their bounds, so this has ~1.7x headroom).
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+import compile_backend  # noqa: E402,F401  (registers ops and kernel families)
+from compile_backend import kernels  # noqa: E402
+from compile_backend.cuda import awq_gemm_sm90 as sm90  # noqa: E402
+from compile_backend.quantize import awq_pack  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+IS_SM90 = torch.cuda.get_device_capability() == (9, 0)
+needs_sm90 = pytest.mark.skipif(not IS_SM90, reason="the kernel is sm_90a only")
+GROUPS = (64, 128, -1)  # -1: per-channel (group = K); 32 is unsupported (see test below)
+DTYPES = (torch.float16, torch.bfloat16)
+
+
+def make_awq(K, N, group, dtype, gen):
+    G = K if group == -1 else group
+    q = torch.randint(0, 16, (K, N), generator=gen, device=DEV, dtype=torch.int32)
+    z = torch.randint(0, 16, (K // G, N), generator=gen, device=DEV, dtype=torch.int32)
+    z[0, : min(N, 8)] = 0
+    z[-1, -min(N, 8):] = 15
+    s = torch.rand((K // G, N), generator=gen, device=DEV, dtype=torch.float32) * 2e-3 + 1e-4
+    s[0, ::7] = 1e-4
+    s[-1, 3::11] = 4e-3
+    s = s.to(dtype)
+    return awq_pack(q), s, awq_pack(z), G, q, z
+
+
+def make_x(M, K, dtype, gen):
+    x = torch.randn((M, K), generator=gen, device=DEV, dtype=torch.float32) * 100
+    idx = torch.randint(0, M * K, (max(1, M * K // 4096),), generator=gen, device=DEV)
+    x.view(-1)[idx] = 30000.0 * torch.sign(torch.randn(idx.shape, generator=gen, device=DEV))
+    return x.to(dtype)
+
+
+def check(out, x, q, z, s, G, bias, what):
+    dtype = x.dtype
+    u = 2.0**-11 if dtype == torch.float16 else 2.0**-8
+    K = x.shape[1]
+    assert out.shape == (x.shape[0], q.shape[1]) and out.dtype == dtype, what
+    o = out.to(torch.float64)
+    assert torch.isfinite(o).all(), f"{what}: NaN/inf in the output"
+    zz = z.repeat_interleave(G, dim=0).to(torch.float64)
+    ss = s.repeat_interleave(G, dim=0).to(torch.float64)
+    qq = q.to(torch.float64)
+    w = (qq - zz) * ss
+    e = u * (zz * ss.abs() + qq * ss.abs() + w.abs()) * (1 + u)
+    x64 = x.to(torch.float64)
+    ref = x64 @ w
+    if bias is not None:
+        ref = ref + bias.to(torch.float64)
+    hard = u * ref.abs() + x64.abs() @ e + K * 2.0**-23 * (x64.abs() @ w.abs()) + 1e-6
+    err = (o - ref).abs()
+    bad = err > hard
+    assert not bad.any(), (
+        f"{what}: {int(bad.sum())} elements over the bound; worst err {err.max().item():.3g} "
+        f"at {divmod(int(err.argmax()), ref.shape[1])}")
+    expected = u * torch.linalg.norm(ref) + torch.linalg.norm(torch.sqrt((x64 * x64) @ (e * e)))
+    actual = torch.linalg.norm(o - ref)
+    assert actual <= expected, (f"{what}: ||err|| = {actual.item():.4g} > {expected.item():.4g} "
+                                f"(rel {(actual / torch.linalg.norm(ref)).item():.3g})")
+
+
+def run_case(M, N, K, group, dtype, seed, bias=False, config=-1):
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    qw, s, qz, G, q, z = make_awq(K, N, group, dtype, gen)
+    x = make_x(M, K, dtype, gen)
+    b = (torch.randn(N, generator=gen, device=DEV) * 10).to(dtype) if bias else None
+    assert sm90.supports_prefill(x, qw, s, qz, G, b) is None
+    out = sm90.launch_prefill(x, qw, s, qz, G, b, config=config)
+    torch.cuda.synchronize()
+    check(out, x, q, z, s, G, b, f"M={M} N={N} K={K} G={G} {dtype} bias={bias} config={config}")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    if IS_SM90:
+        assert kernels.ensure_loaded(), f"extension failed to build: {kernels.status()}"
+        assert hasattr(torch.ops.quantfuse, "_awq_gemm_sm90_cuda"), "SM90 AWQ kernels not in the extension"
+    yield
+
+
+@needs_sm90
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M", (65, 100, 128, 256, 1024, 4096))
+def test_all_groups(M, dtype):
+    for i, group in enumerate(GROUPS):
+        run_case(M, 768, 1024, group, dtype, seed=1000 * M + 10 * i + (dtype == torch.bfloat16),
+                 bias=(i % 2 == 0))
+        run_case(M, 256, 512, group, dtype, seed=1000 * M + 10 * i + 5, bias=(i % 2 == 1))
+
+
+@needs_sm90
+@pytest.mark.parametrize("N,K,M,dtype,group", [
+    (28672, 4096, 256, torch.float16, 128),
+    (4096, 14336, 1024, torch.bfloat16, 128),
+    (6144, 4096, 100, torch.bfloat16, 64),
+    (4096, 4096, 4096, torch.float16, -1),
+])
+def test_llama_shapes(N, K, M, dtype, group):
+    run_case(M, N, K, group, dtype, seed=N + K + M, bias=(group == 128))
+
+
+@needs_sm90
+@pytest.mark.parametrize("config", (0, 1))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_each_config(config, dtype):
+    """Both tile configurations on both sides of the M switch (partial tiles included)."""
+    for M in (65, 300):
+        run_case(M, 1024, 2048, 128, dtype, seed=M + config, bias=True, config=config)
+
+
+@needs_sm90
+def test_prepare_cache_hit_and_invalidation():
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    qw, s, qz, G, q, z = make_awq(512, 256, 128, torch.bfloat16, gen)
+    x = make_x(70, 512, torch.bfloat16, gen)
+    before = dict(sm90.stats)
+    sm90.launch_prefill(x, qw, s, qz, G)
+    sm90.launch_prefill(x, qw, s, qz, G)
+    assert sm90.stats["prepares"] == before["prepares"] + 1
+    assert sm90.stats["hits"] == before["hits"] + 1
+    # in-place changes of any of the three tensors are noticed
+    q2 = torch.randint(0, 16, q.shape, generator=gen, device=DEV, dtype=torch.int32)
+    qw.copy_(awq_pack(q2))
+    check(sm90.launch_prefill(x, qw, s, qz, G), x, q2, z, s, G, None, "after qweight update")
+    s.mul_(2)
+    check(sm90.launch_prefill(x, qw, s, qz, G), x, q2, z, s, G, None, "after scales update")
+    assert sm90.stats["prepares"] == before["prepares"] + 3
+    # the entry goes with the weight
+    key = id(qw)
+    assert key in sm90._cache
+    del qw
+    gc.collect()
+    assert key not in sm90._cache
+
+
+@needs_sm90
+@pytest.mark.parametrize("M", (100, 512))
+def test_cuda_graph_replay(M):
+    gen = torch.Generator(device=DEV).manual_seed(11 + M)
+    N, K = 1024, 2048
+    qw, s, qz, G, q, z = make_awq(K, N, 128, torch.float16, gen)
+    b = (torch.randn(N, generator=gen, device=DEV) * 10).to(torch.float16)
+    x = make_x(M, K, torch.float16, gen)
+    sm90.launch_prefill(x, qw, s, qz, G, b)  # warm-up: prepares and caches the weight
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = sm90.launch_prefill(x, qw, s, qz, G, b)
+    for _ in range(2):  # new activations each replay
+        x.copy_(make_x(M, K, torch.float16, gen))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(out, x, q, z, s, G, b, f"graph replay M={M}")
+
+
+@needs_sm90
+def test_m_zero_and_unsupported():
+    gen = torch.Generator(device=DEV).manual_seed(9)
+    qw, s, qz, G, q, z = make_awq(512, 256, 128, torch.float16, gen)
+    assert sm90.launch_prefill(torch.empty(0, 512, device=DEV, dtype=torch.float16), qw, s, qz, G).shape == (0, 256)
+    x = make_x(100, 512, torch.float16, gen)
+    qw32, s32, qz32, G32, *_ = make_awq(512, 256, 32, torch.float16, gen)
+    assert "K tile" in sm90.supports_prefill(x, qw32, s32, qz32, G32)
+    qwn, sn, qzn, Gn, *_ = make_awq(512, 320, 128, torch.float16, gen)
+    assert "N = 320" in sm90.supports_prefill(x, qwn, sn, qzn, Gn)
+    assert "CUDA" in sm90.supports_prefill(x.cpu(), qw.cpu(), s.cpu(), qz.cpu(), G)
+    # x at an odd offset inside a larger buffer: not 16-byte aligned
+    buf = torch.empty(100 * 512 + 1, device=DEV, dtype=torch.float16)
+    assert "aligned" in sm90.supports_prefill(buf[1:].view(100, 512), qw, s, qz, G)
+
+
+@pytest.mark.skipif(IS_SM90, reason="checks the answer on other GPUs")
+def test_not_sm90_reason():
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    qw, s, qz, G, *_ = make_awq(512, 256, 128, torch.float16, gen)
+    x = make_x(100, 512, torch.float16, gen)
+    assert "sm_90" in sm90.supports_prefill(x, qw, s, qz, G)
