@@ -51,8 +51,11 @@ def _common(a, b, scale_a, scale_b, out_dtype, bias) -> str | None:
     if K % 16 or N % 16:
         return f"K={K} and N={N} must be multiples of 16 (16-byte TMA alignment)"
     cap = _capability(a.device)
-    if cap != (9, 0):
-        return f"compute capability {cap}: only the SM90 (Hopper) kernels are built; SM80 kernels not written yet"
+    # sm_90: the SM90 kernels; other sm_80+ GPUs: the CUTLASS 2.x SM80 kernels, int8 only.
+    if cap < (8, 0):
+        return f"compute capability {cap}: the CUTLASS kernels need sm_80 or later"
+    if cap != (9, 0) and a.dtype != torch.int8:
+        return f"compute capability {cap}: fp8 kernels are built for Hopper (sm_90) only; the SM80 kernels take int8"
     if a.stride(1) != 1 or (M > 1 and (a.stride(0) < K or a.stride(0) % 16)) or not _aligned(a):
         return f"a (strides {a.stride()}) must be row-major with a 16-byte aligned start and row pitch"
     if b.stride(0) != 1 or b.stride(1) < K or b.stride(1) % 16 or not _aligned(b):

@@ -63,6 +63,19 @@ int scaled_mm_sm90(const ScaledMmParams& p) {
   return kQUnsupported;
 }
 
+// CUTLASS 2.x kernels (sm_80 and later; int8 only).  One tree per output dtype covers
+// Scaled/ScaledBias, another ScaledBiasAzp/ScaledBiasAzpToken (see epilogue_sm80.cuh).
+int scaled_mm_sm80(const ScaledMmParams& p) {
+  if (p.in_dtype != QDType::kInt8) return kQUnsupported;
+  const bool azp = p.epilogue == QEpilogue::kAzp || p.epilogue == QEpilogue::kAzpToken;
+  switch (p.out_dtype) {
+    case QDType::kF16: return azp ? sm80_i8_f16_azp(p) : sm80_i8_f16_bias(p);
+    case QDType::kBF16: return azp ? sm80_i8_bf16_azp(p) : sm80_i8_bf16_bias(p);
+    case QDType::kF32: return azp ? sm80_i8_f32_azp(p) : sm80_i8_f32_bias(p);
+    default: return kQUnsupported;
+  }
+}
+
 namespace {
 
 QDType to_qdtype(at::ScalarType t) {
@@ -83,7 +96,8 @@ void* alloc_workspace(std::size_t bytes, void* ctx) {
   return keep->back().data_ptr();
 }
 
-// arch: 0 = best for this GPU, 90 = the SM90 kernels (SM80 kernels: not yet written).
+// arch: 0 = best for this GPU (sm_90: 90, other sm_80+: 80), 90 = the SM90 kernels, 80 = the
+// CUTLASS 2.x SM80 kernels (int8 only; they also run on Hopper, for tests and benchmarks).
 // config: -1 = choose by M/N, else a tile configuration index (tests, benchmarks).
 at::Tensor scaled_mm_cutlass(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
                              const at::Tensor& scale_b, at::ScalarType out_dtype,
@@ -155,10 +169,14 @@ at::Tensor scaled_mm_cutlass(const at::Tensor& a, const at::Tensor& b, const at:
   if (arch == 90) {
     TORCH_CHECK(cc >= 90 && cc < 100, "_scaled_mm_cutlass: SM90 kernels need a Hopper GPU");
     status = scaled_mm_sm90(p);
+  } else if (arch == 80) {
+    TORCH_CHECK(cc >= 80, "_scaled_mm_cutlass: SM80 kernels need compute capability 8.0 or later (got ",
+                props->major, ".", props->minor, ")");
+    TORCH_CHECK(p.in_dtype == QDType::kInt8, "_scaled_mm_cutlass: the SM80 kernels take int8 inputs only, got ",
+                a.scalar_type(), " (fp8 runs on the SM90 kernels, arch=90, or the reference)");
+    status = scaled_mm_sm80(p);
   } else {
-    // The CUTLASS 2.x (SM80) kernels are not written yet; compile_backend/cuda/scaled_mm.py
-    // sends non-Hopper GPUs to the reference implementation.
-    TORCH_CHECK(false, "_scaled_mm_cutlass: only the SM90 kernels are built (arch ", arch, ")");
+    TORCH_CHECK(false, "_scaled_mm_cutlass: arch must be 0, 80 or 90, got ", arch);
   }
   if (status != kQOk) {
     char msg[256];

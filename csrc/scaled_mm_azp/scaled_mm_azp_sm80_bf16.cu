@@ -1,0 +1,4 @@
+// SM80 (CUTLASS 2.x) scaled_mm_azp kernels: int8 inputs, cutlass::bfloat16_t output, ScaledBiasAzp EVT
+// (per-token zero points; per-tensor ones through a null azp; bias nullable).
+#include "scaled_mm/gemm_sm80.cuh"
+QF_SM80_ENTRY(sm80_i8_bf16_azp, cutlass::bfloat16_t, ScaledBiasAzp)
