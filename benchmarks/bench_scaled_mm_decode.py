@@ -1,10 +1,10 @@
 """Decode (M <= 16) W8A8 kernel: quantfuse::_scaled_mm_decode_cuda against the CUTLASS SM90
 kernel it replaces for small M, torch._scaled_mm (fp8) and torch._int_mm (int8, M padded to
-its minimum 17), with the cluster split swept.  Per-token x per-channel scales + bias, bf16
-out.  Median of triton.testing.do_bench (L2 flushed before each call), µs; DRAM fraction =
-(weight + activation + output bytes) / measured copy bandwidth / time.
+its minimum 17), with the work split (cluster size, warps per CTA, pipeline depth) swept.
+Per-token x per-channel scales + bias, bf16 out.  Median of triton.testing.do_bench (L2
+flushed before each call), µs; DRAM fraction = (weight + activation + output bytes) / measured copy bandwidth / time.
 
-    python benchmarks/bench_scaled_mm_decode.py [--ms 1,8,16] [--splits 1,2,4,8] [--out DIR]
+    python benchmarks/bench_scaled_mm_decode.py [--ms 1,8,16] [--out DIR]
 """
 
 from __future__ import annotations
@@ -20,6 +20,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 NK = ((4096, 4096), (6144, 4096), (4096, 14336), (28672, 4096))
+# (splits, warps per CTA, pipeline stages) forced through _scaled_mm_decode_tune; -1 = chosen
+VARIANTS = {"s1": (1, -1, -1), "s2": (2, -1, -1), "s4": (4, -1, -1), "s8": (8, -1, -1), "w2": (-1, 2, -1),
+            "w8": (-1, 8, -1), "st8": (-1, -1, 8), "s8w2st8": (8, 2, 8), "s2w8": (2, 8, -1)}
 
 
 def bench(fn):
@@ -38,7 +41,6 @@ def copy_bandwidth() -> float:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default="1,8,16")
-    ap.add_argument("--splits", default="1,2,4,8")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     import compile_backend.cuda  # noqa: F401
@@ -51,7 +53,6 @@ def main() -> int:
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, copy {bw / 1e12:.2f} TB/s", flush=True)
     torch.manual_seed(0)
     ms = [int(m) for m in args.ms.split(",")]
-    splits = [int(s) for s in args.splits.split(",")]
     rows = []
     for N, K in NK:
         for dt in (torch.int8, torch.float8_e4m3fn):
@@ -71,9 +72,9 @@ def main() -> int:
                 sa = torch.rand(M, device="cuda") * 1e-2 + 1e-3
                 r = {"N": N, "K": K, "M": M, "dtype": str(dt).split(".")[-1], "config": cfg}
                 r["decode"] = bench(lambda: qf._scaled_mm_decode_cuda(a, b, sa, sb, torch.bfloat16, bias))
-                for s in splits:
-                    r[f"split{s}"] = bench(
-                        lambda s=s: qf._scaled_mm_decode_cuda(a, b, sa, sb, torch.bfloat16, bias, None, None, s))
+                for name, (s, wa, st) in VARIANTS.items():
+                    r[name] = bench(lambda s=s, wa=wa, st=st: qf._scaled_mm_decode_tune(
+                        a, b, sa, sb, torch.bfloat16, bias, s, wa, st))
                 r["cutlass"] = (bench(lambda: qf._scaled_mm_cutlass(a, b, sa, sb, torch.bfloat16, bias))
                                 if has_cutlass else float("nan"))
                 if dt == torch.int8:
@@ -87,7 +88,7 @@ def main() -> int:
                 r["floor_us"] = nbytes / bw * 1e6
                 r["dram_frac"] = r["floor_us"] / r["decode"]
                 rows.append(r)
-                sw = "  ".join(f"s{s} {r[f'split{s}']:6.1f}" for s in splits)
+                sw = " ".join(f"{k} {r[k]:5.1f}" for k in VARIANTS)
                 print(f"{r['dtype']:>13} N={N:5d} K={K:5d} M={M:2d} cfg {cfg}: decode {r['decode']:6.1f} µs "
                       f"({100 * r['dram_frac']:3.0f}% DRAM)  {sw}  cutlass {r['cutlass']:6.1f}  "
                       f"{'_int_mm(M>=17)' if dt == torch.int8 else '_scaled_mm'} {r['baseline']:6.1f}  "

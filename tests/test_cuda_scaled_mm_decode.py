@@ -176,6 +176,13 @@ def test_forced_splits(in_dtype):
                 if first is None:
                     first = out
                 assert torch.equal(out, first), f"int8 result depends on splits={splits} at {M}x{N}x{K}"
+        # the other pipeline depth and warp counts (benchmark knobs of the tuning op)
+        for splits, warps, stages in ((-1, -1, 8), (2, 1, 8), (1, 8, 4), (3, 2, 4), (8, 8, 8)):
+            poison(M, N, torch.float32)
+            out = torch.ops.quantfuse._scaled_mm_decode_tune(a, b, sa, sb, torch.float32, bias, splits, warps, stages)
+            check(out, ref, torch.float32, in_dtype)
+            if in_dtype == torch.int8:
+                assert torch.equal(out, first), f"int8 result depends on {(splits, warps, stages)} at {M}x{N}x{K}"
 
 
 def test_config_choice():
@@ -183,9 +190,9 @@ def test_config_choice():
     partitions cover K."""
     sm90 = CAP >= (9, 0)
     for N, K in LLM_NK + SMALL_NK + ((32, 16),):
-        splits, warps, per_part = torch.ops.quantfuse._scaled_mm_decode_config(N, K)
+        splits, warps, per_part, stages = torch.ops.quantfuse._scaled_mm_decode_config(N, K)
         chunks = (K + 63) // 64
-        assert 1 <= splits <= (8 if sm90 else 1) and 1 <= warps <= 8 and per_part >= 1
+        assert 1 <= splits <= (8 if sm90 else 1) and 1 <= warps <= 8 and per_part >= 1 and stages in (4, 8)
         assert splits * warps * per_part >= chunks, (N, K, splits, warps, per_part)
         forced = torch.ops.quantfuse._scaled_mm_decode_config(N, K, 3)
         assert forced[0] == (min(3, chunks) if sm90 else 1)

@@ -21,13 +21,12 @@
 // every CTA of its cluster through distributed shared memory, in a fixed order (bitwise
 // reproducible), applies the epilogue and stores.  No workspace, no second kernel.
 //
-// Loads: weights with ld.global.nc.L1::no_allocate.L2::256B, 16 bytes straight into
-// fragment registers; ptxas interleaves these loads with the mma that consume them (a few
-// in flight per warp), but the L2::256B hint makes the first load of each row fetch the
-// whole 256-byte batch (kBatch chunks) of that row, and on sm_90 the warp also asks the
-// TMA engine to prefetch the next batch of its 32 rows into L2 (cp.async.bulk.prefetch)
-// while it computes on this one.  Activations (tiny, re-read by every channel tile) through
-// the L1-cached read-only path.
+// Loads: a kStages-deep cp.async pipeline per warp (16-byte copies global -> shared, L2
+// only; zero-fill past K): kStages - 1 chunks of weights and activations in flight while
+// one is consumed; each lane reads back (ld.shared.v4) exactly the 16-byte pieces it
+// copied, which are its fragment registers.  (Plain register loads were tried first: ptxas
+// interleaves them with the mma that consume them, leaving a few loads in flight per warp:
+// 27-42% of DRAM bandwidth on the H100; see benchmarks/notes_scaled_mm_decode.md.)
 //
 // Epilogue: a tree of small functors (the idea of CUTLASS's epilogue visitor trees, see
 // epilogue_sm90.cuh), evaluated per output element on the reduced accumulator:
@@ -168,27 +167,20 @@ struct KernelArgs {
   int chunks_per_part;  // 64-byte K chunks per (CTA, warp)
 };
 
-// Streamed weight load: read once, keep it out of L1; L2 fetches the whole 256-byte block
-// (4 chunks of this row), so the first loads of a batch bring in the whole batch.
-__device__ __forceinline__ uint4 load_stream(const uint8_t* p) {
+// 16-byte asynchronous copy global -> shared (L2 only); src_bytes = 0 writes zeros.
+__device__ __forceinline__ void cp_async16(uint32_t dst, const uint8_t* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ uint4 lds128(uint32_t addr) {
   uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
   return v;
 }
-
-// sm_90: ask the TMA engine to bring `bytes` (a multiple of 16, 16-byte aligned) of one
-// weight row into L2 ahead of the register loads (the next batch while this one computes).
-// The operands must be warp-uniform (else the compiler serialises over the lanes).
-__device__ __forceinline__ void prefetch_l2(const uint8_t* p, int bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-#endif
-}
-
-// Activation load: small and re-read by every channel tile, so L1-cached.
-__device__ __forceinline__ uint4 load_act(const uint8_t* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
 
 template <bool kFp8>
 struct Mma;
@@ -225,77 +217,55 @@ struct Mma<true> {
   }
 };
 
-constexpr int kBatch = 4;    // K chunks whose loads are issued together (8 KB per warp)
-constexpr int kRedPitch = 36;  // shared-memory row pitch of the partial sums (conflict-free writes)
+constexpr int kRedPitch = 36;  // row pitch (words) of the partial sums: conflict-free writes
 
-// One batch of kBatch chunks starting at chunk `c` (pointers already at chunk c).
-// kGuard: the last, partial batch of a partition (chunks past `c_end` or past K are zero).
-template <bool kFp8, int NT, bool kGuard>
-__device__ __forceinline__ void mma_batch(typename Mma<kFp8>::Acc (&acc)[2][NT][4], const uint8_t* const (&wp)[4],
-                                          const uint8_t* const (&xp)[NT], int c, int c_end, int K, int t) {
-  uint4 w[kBatch][4];
-  uint4 x[kBatch][NT];
-#pragma unroll
-  for (int u = 0; u < kBatch; ++u) {
-    bool ok = true;
-    if constexpr (kGuard) ok = c + u < c_end && (c + u) * kChunkBytes + t * 16 < K;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      w[u][i] = make_uint4(0, 0, 0, 0);
-      if (ok) w[u][i] = load_stream(wp[i] + u * kChunkBytes);
-    }
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-      x[u][j] = make_uint4(0, 0, 0, 0);
-      if (ok) x[u][j] = load_act(xp[j] + u * kChunkBytes);
-    }
-  }
-#pragma unroll
-  for (int u = 0; u < kBatch; ++u) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const uint4 lo = w[u][2 * r], hi = w[u][2 * r + 1];  // rows g, g+8 of m16 tile r
-#pragma unroll
-      for (int j = 0; j < NT; ++j) {
-        Mma<kFp8>::run(acc[r][j], lo.x, hi.x, lo.y, hi.y, x[u][j].x, x[u][j].y);
-        Mma<kFp8>::run(acc[r][j], lo.z, hi.z, lo.w, hi.w, x[u][j].z, x[u][j].w);
-      }
-    }
-  }
+// Shared memory per warp: kStages slots of (4 weight + NT activation) pieces of 32 lanes x
+// 16 bytes; after the mainloop the warp's partial sums reuse its own slots.
+template <int NT, int kStages>
+constexpr int warp_smem_bytes() {
+  return kStages * (4 + NT) * 32 * 16;
 }
 
-template <bool kFp8, int NT, class Out, class Epi>
+template <bool kFp8, int NT, int kStages, class Out, class Epi>
 __global__ void __launch_bounds__(kMaxWarps * 32) scaled_mm_decode_kernel(const KernelArgs args, const Epi epi) {
   using Acc = typename Mma<kFp8>::Acc;
   constexpr int kTokens = 8 * NT;
-  __shared__ Acc red[kMaxWarps][kTokens][kRedPitch];
+  constexpr int kPieces = 4 + NT;
+  constexpr int kWarpBytes = warp_smem_bytes<NT, kStages>();
+  static_assert(kTokens * kRedPitch * 4 <= kWarpBytes, "partials must fit in the warp's slots");
+  extern __shared__ __align__(16) uint8_t smem[];
 
-  // The warp index through a warp reduction: the compiler then knows it (and the K range
-  // derived from it) to be warp-uniform, which the bulk prefetch's operands must be.
-  const int lane = threadIdx.x & 31, warp = __reduce_max_sync(0xffffffffu, threadIdx.x >> 5);
-  const int warps = blockDim.x >> 5;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int S = args.splits;
   const int rank = blockIdx.x % S;  // the CTA's rank in its (S, 1, 1) cluster
   const int n0 = (blockIdx.x / S) * kRowsPerWarp;
   const int M = args.M, N = args.N, K = args.K;
 
-  // This warp's K chunks.
+  // This warp's K chunks [c0, c_end).
   const int chunks = (K + kChunkBytes - 1) / kChunkBytes;
-  int c = (rank * warps + warp) * args.chunks_per_part;
-  const int c_end = min(chunks, c + args.chunks_per_part);
-  const int c_full = min(c_end, K / kChunkBytes);  // chunks entirely inside K
+  const int c0 = (rank * warps + warp) * args.chunks_per_part;
+  const int c_end = min(chunks, c0 + args.chunks_per_part);
 
-  // Row / token pointers at chunk c; rows past N and tokens past M re-read the last valid
-  // one (their results are never stored).
-  const int64_t koff = int64_t(c) * kChunkBytes + t * 16;
-  const uint8_t* wp[4];
+  // Global pointers at chunk c0 (wp[i], i = 2r + h: row n0 + 16r + 8h + g = row g / g+8 of
+  // m16 tile r); rows past N and tokens past M re-read the last valid one (never stored).
+  const int64_t koff = int64_t(c0) * kChunkBytes + t * 16;
+  const uint8_t* src[kPieces];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) wp[i] = args.b + int64_t(min(n0 + 8 * i + g, N - 1)) * args.ldb + koff;
-  const uint8_t* xp[NT];
+  for (int i = 0; i < 4; ++i) src[i] = args.b + int64_t(min(n0 + 8 * i + g, N - 1)) * args.ldb + koff;
 #pragma unroll
-  for (int j = 0; j < NT; ++j) xp[j] = args.a + int64_t(min(8 * j + g, M - 1)) * args.lda + koff;
-  // (wp[i], i = 2r + h: rows n0 + 16r + 8h + g, i.e. row g / g+8 of m16 tile r.)
+  for (int j = 0; j < NT; ++j) src[4 + j] = args.a + int64_t(min(8 * j + g, M - 1)) * args.lda + koff;
+
+  const uint32_t warp_smem = static_cast<uint32_t>(__cvta_generic_to_shared(smem)) + warp * kWarpBytes;
+  const uint32_t lane_smem = warp_smem + lane * 16;
+  // Piece p of slot s of this lane: lane_smem + (s * kPieces + p) * 512.
+  auto issue = [&](int c) {  // copies of chunk c (< c_end) into its slot; K tail -> zeros
+    const int k = c - c0;
+    const int bytes = c * kChunkBytes + t * 16 < K ? 16 : 0;
+    const uint32_t dst = lane_smem + (unsigned(k) % kStages) * kPieces * 512;
+#pragma unroll
+    for (int p = 0; p < kPieces; ++p) cp_async16(dst + p * 512, src[p] + int64_t(k) * kChunkBytes, bytes);
+  };
 
   Acc acc[2][NT][4];
 #pragma unroll
@@ -305,43 +275,52 @@ __global__ void __launch_bounds__(kMaxWarps * 32) scaled_mm_decode_kernel(const 
 #pragma unroll
       for (int q = 0; q < 4; ++q) acc[r][j][q] = Acc(0);
 
-  // sm_90: the warp prefetches its 32 rows of the next batch.
-  auto prefetch_batch = [&](int from) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    const int to = min(from + kBatch, c_end);
-    if (from >= to) return;
-    const int bytes = min(to * kChunkBytes, K) - from * kChunkBytes;
-    const uint8_t* row = args.b + int64_t(n0) * args.ldb + int64_t(from) * kChunkBytes;
-    const int rows = min(kRowsPerWarp, N - n0);
-#pragma unroll 4
-    for (int r = 0; r < rows; ++r, row += args.ldb) prefetch_l2(row, bytes);
-#endif
-  };
-  for (; c + kBatch <= c_full; c += kBatch) {
-    prefetch_batch(c + kBatch);
-    mma_batch<kFp8, NT, false>(acc, wp, xp, c, c_end, K, t);
+  // kStages-deep pipeline: kStages - 1 chunks in flight while one is consumed.  Each lane
+  // reads back only what it copied itself, so its own cp.async.wait_group is the only sync.
 #pragma unroll
-    for (int i = 0; i < 4; ++i) wp[i] += kBatch * kChunkBytes;
-#pragma unroll
-    for (int j = 0; j < NT; ++j) xp[j] += kBatch * kChunkBytes;
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (c0 + s < c_end) issue(c0 + s);
+    cp_async_commit();
   }
-  if (c < c_end) mma_batch<kFp8, NT, true>(acc, wp, xp, c, c_end, K, t);
+  for (int c = c0; c < c_end; ++c) {
+    cp_async_wait<kStages - 2>();  // chunk c has landed
+    const uint32_t slot = lane_smem + (unsigned(c - c0) % kStages) * kPieces * 512;
+    uint4 f[kPieces];
+#pragma unroll
+    for (int p = 0; p < kPieces; ++p) f[p] = lds128(slot + p * 512);
+    if (c + kStages - 1 < c_end) issue(c + kStages - 1);  // into the slot read last iteration
+    cp_async_commit();
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const uint4 lo = f[2 * r], hi = f[2 * r + 1];  // rows g, g+8 of m16 tile r
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        const uint4 x = f[4 + j];
+        Mma<kFp8>::run(acc[r][j], lo.x, hi.x, lo.y, hi.y, x.x, x.y);
+        Mma<kFp8>::run(acc[r][j], lo.z, hi.z, lo.w, hi.w, x.z, x.w);
+      }
+    }
+  }
+  cp_async_wait<0>();
+  __syncwarp();  // every lane's reads of the slots are done before they hold partial sums
 
-  // Partial sums to shared memory: red[warp][token][channel - n0].
+  // Partial sums to this warp's slots: red(w)[token][channel - n0], pitch kRedPitch.
   // C fragment of m16n8 tile (r, j): c0, c1 at channel 16r + g, tokens 8j + 2t + {0, 1};
   // c2, c3 at channel 16r + g + 8.
+  Acc* red = reinterpret_cast<Acc*>(smem + warp * kWarpBytes);
 #pragma unroll
   for (int r = 0; r < 2; ++r)
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
       const int n = 16 * r + g, m = 8 * j + 2 * t;
-      red[warp][m][n] = acc[r][j][0];
-      red[warp][m + 1][n] = acc[r][j][1];
-      red[warp][m][n + 8] = acc[r][j][2];
-      red[warp][m + 1][n + 8] = acc[r][j][3];
+      red[m * kRedPitch + n] = acc[r][j][0];
+      red[(m + 1) * kRedPitch + n] = acc[r][j][1];
+      red[m * kRedPitch + n + 8] = acc[r][j][2];
+      red[(m + 1) * kRedPitch + n + 8] = acc[r][j][3];
     }
 
   constexpr int kOutputs = kTokens * kRowsPerWarp;
+  constexpr int kWarpWords = kWarpBytes / 4;
   auto finish = [&](int m, int nl, Acc sum) {
     const int n = n0 + nl;
     Out* d = static_cast<Out*>(args.d) + int64_t(m) * args.ldd + n;
@@ -358,9 +337,9 @@ __global__ void __launch_bounds__(kMaxWarps * 32) scaled_mm_decode_kernel(const 
       if (m >= M || n0 + nl >= N) continue;
       Acc sum = Acc(0);
       for (int s = 0; s < S; ++s) {
-        const Acc* part = cluster.map_shared_rank(&red[0][m][nl], s);
+        const Acc* part = cluster.map_shared_rank(reinterpret_cast<const Acc*>(smem), s) + m * kRedPitch + nl;
 #pragma unroll 4
-        for (int w = 0; w < warps; ++w) sum += part[w * kTokens * kRedPitch];
+        for (int w = 0; w < warps; ++w) sum += part[w * kWarpWords];
       }
       finish(m, nl, sum);
     }
@@ -372,15 +351,16 @@ __global__ void __launch_bounds__(kMaxWarps * 32) scaled_mm_decode_kernel(const 
   for (int e = threadIdx.x; e < kOutputs; e += blockDim.x) {
     const int m = e / kRowsPerWarp, nl = e % kRowsPerWarp;
     if (m >= M || n0 + nl >= N) continue;
+    const Acc* part = reinterpret_cast<const Acc*>(smem) + m * kRedPitch + nl;
     Acc sum = Acc(0);
-    for (int w = 0; w < warps; ++w) sum += red[w][m][nl];
+    for (int w = 0; w < warps; ++w) sum += part[w * kWarpWords];
     finish(m, nl, sum);
   }
 }
 
 // ------------------------------------------------------------------------ host launch
 
-template <bool kFp8, int NT, class Out, class Epi>
+template <bool kFp8, int NT, int kStages, class Out, class Epi>
 int launch_one(const ScaledMmParams& p, const DecodeConfig& c, int* cuda_error) {
   KernelArgs args;
   args.a = static_cast<const uint8_t*>(p.a);
@@ -396,11 +376,23 @@ int launch_one(const ScaledMmParams& p, const DecodeConfig& c, int* cuda_error) 
   args.chunks_per_part = c.chunks_per_part;
   const Epi epi = Epi::make(p);
   const int row_blocks = static_cast<int>((p.N + kRowsPerWarp - 1) / kRowsPerWarp);
+  auto* kernel = scaled_mm_decode_kernel<kFp8, NT, kStages, Out, Epi>;
+  const int smem = c.warps * warp_smem_bytes<NT, kStages>();
+  cudaError_t err = cudaSuccess;
+  if (smem > 48 * 1024) {  // opt in to large dynamic shared memory (once per kernel and device)
+    static bool opted_in[64] = {};
+    const int dev = p.device >= 0 && p.device < 64 ? p.device : 0;
+    if (!opted_in[dev]) {
+      err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 kMaxWarps * warp_smem_bytes<NT, kStages>());
+      opted_in[dev] = err == cudaSuccess;
+    }
+  }
 
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(row_blocks) * c.splits, 1, 1);
   cfg.blockDim = dim3(32 * c.warps, 1, 1);
-  cfg.dynamicSmemBytes = 0;
+  cfg.dynamicSmemBytes = static_cast<size_t>(smem);
   cfg.stream = static_cast<cudaStream_t>(p.stream);
   cudaLaunchAttribute attr[1];
   if (c.splits > 1) {
@@ -411,7 +403,7 @@ int launch_one(const ScaledMmParams& p, const DecodeConfig& c, int* cuda_error) 
     cfg.attrs = attr;
     cfg.numAttrs = 1;
   }
-  cudaError_t err = cudaLaunchKernelEx(&cfg, scaled_mm_decode_kernel<kFp8, NT, Out, Epi>, args, epi);
+  if (err == cudaSuccess) err = cudaLaunchKernelEx(&cfg, kernel, args, epi);
   if (err == cudaSuccess) err = cudaGetLastError();
   if (err != cudaSuccess) {
     if (cuda_error) *cuda_error = static_cast<int>(err);
@@ -420,20 +412,29 @@ int launch_one(const ScaledMmParams& p, const DecodeConfig& c, int* cuda_error) 
   return kQOk;
 }
 
+template <bool kFp8, int NT, class Out, class Epi>
+int launch_stages(const ScaledMmParams& p, const DecodeConfig& c, int* cuda_error) {
+  switch (c.stages) {
+    case 4: return launch_one<kFp8, NT, 4, Out, Epi>(p, c, cuda_error);
+    case 8: return launch_one<kFp8, NT, 8, Out, Epi>(p, c, cuda_error);
+    default: return kQUnsupported;
+  }
+}
+
 // Output type x token tiles for one epilogue tree template.
 template <bool kFp8, template <class> class Tree>
 int launch_tree(const ScaledMmParams& p, const DecodeConfig& c, int* cuda_error) {
   const bool two = p.M > 8;
   switch (p.out_dtype) {
     case QDType::kF16:
-      return two ? launch_one<kFp8, 2, __half, Tree<__half>>(p, c, cuda_error)
-                 : launch_one<kFp8, 1, __half, Tree<__half>>(p, c, cuda_error);
+      return two ? launch_stages<kFp8, 2, __half, Tree<__half>>(p, c, cuda_error)
+                 : launch_stages<kFp8, 1, __half, Tree<__half>>(p, c, cuda_error);
     case QDType::kBF16:
-      return two ? launch_one<kFp8, 2, __nv_bfloat16, Tree<__nv_bfloat16>>(p, c, cuda_error)
-                 : launch_one<kFp8, 1, __nv_bfloat16, Tree<__nv_bfloat16>>(p, c, cuda_error);
+      return two ? launch_stages<kFp8, 2, __nv_bfloat16, Tree<__nv_bfloat16>>(p, c, cuda_error)
+                 : launch_stages<kFp8, 1, __nv_bfloat16, Tree<__nv_bfloat16>>(p, c, cuda_error);
     case QDType::kF32:
-      return two ? launch_one<kFp8, 2, float, Tree<float>>(p, c, cuda_error)
-                 : launch_one<kFp8, 1, float, Tree<float>>(p, c, cuda_error);
+      return two ? launch_stages<kFp8, 2, float, Tree<float>>(p, c, cuda_error)
+                 : launch_stages<kFp8, 1, float, Tree<float>>(p, c, cuda_error);
     default:
       return kQUnsupported;
   }

@@ -24,13 +24,16 @@ struct DecodeConfig {
   int splits = 1;           // CTAs of one cluster along K (1: no cluster)
   int warps = 4;            // warps per CTA, each a K partition
   int chunks_per_part = 1;  // K chunks per (CTA, warp) partition
+  int stages = 4;           // cp.async pipeline depth in chunks (4 or 8)
 };
 
 // The work split for an M x N x K problem on a GPU with `sms` SMs.  `splits` > 0 forces the
-// cluster size (tests, benchmarks); clusters (splits > 1) need sm_90 (`clusters`).
+// cluster size (tests, benchmarks), `warps` > 0 the warps per CTA and `stages` > 0 the
+// pipeline depth (benchmarks); clusters (splits > 1) need sm_90 (`clusters`).
 // Aim: about kTargetWarpsPerSm warps per SM streaming the weight in one wave, each with
 // at least two chunks (128 bytes of every one of its 32 rows) to load.
-inline DecodeConfig choose_config(int64_t N, int64_t K, int sms, bool clusters, int splits = -1) {
+inline DecodeConfig choose_config(int64_t N, int64_t K, int sms, bool clusters, int splits = -1, int warps = -1,
+                                  int stages = -1) {
   constexpr int kTargetWarpsPerSm = 16;
   const int64_t row_blocks = (N + kRowsPerWarp - 1) / kRowsPerWarp;
   const int64_t chunks = (K + kChunkBytes - 1) / kChunkBytes;
@@ -52,6 +55,8 @@ inline DecodeConfig choose_config(int64_t N, int64_t K, int sms, bool clusters, 
       c.warps = static_cast<int>(std::min<int64_t>(parts, kMaxWarps));
     }
   }
+  if (warps > 0) c.warps = std::min(warps, kMaxWarps);
+  if (stages > 0) c.stages = stages;
   const int64_t p = int64_t(c.splits) * c.warps;
   c.chunks_per_part = static_cast<int>(std::max<int64_t>(1, (chunks + p - 1) / p));
   return c;

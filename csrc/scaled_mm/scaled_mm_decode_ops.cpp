@@ -9,8 +9,12 @@
 #include <torch/all.h>
 #include <torch/library.h>
 
+#include <cstdarg>
 #include <cstdint>
+#include <cstdio>
 #include <optional>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "scaled_mm/scaled_mm_decode.h"
@@ -22,6 +26,19 @@ using quantfuse::QEpilogue;
 using quantfuse::ScaledMmParams;
 namespace qd = quantfuse::decode;
 
+// Errors are formatted with snprintf and thrown as std::runtime_error (RuntimeError in
+// Python): streaming values into an error message inside the extension crashed the
+// process on the H100 machine (torch's iostream-based formatting, see notes_scaled_mm.md).
+[[noreturn]] void fail(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+void fail(const char* fmt, ...) {
+  char buf[512];
+  va_list ap;
+  va_start(ap, fmt);
+  std::vsnprintf(buf, sizeof(buf), fmt, ap);
+  va_end(ap);
+  throw std::runtime_error(std::string("_scaled_mm_decode_cuda: ") + buf);
+}
+
 QDType to_qdtype(at::ScalarType t) {
   switch (t) {
     case at::kChar: return QDType::kInt8;
@@ -29,57 +46,56 @@ QDType to_qdtype(at::ScalarType t) {
     case at::kHalf: return QDType::kF16;
     case at::kBFloat16: return QDType::kBF16;
     case at::kFloat: return QDType::kF32;
-    default: TORCH_CHECK(false, "quantfuse._scaled_mm_decode_cuda: unsupported dtype ", t);
+    default: fail("unsupported dtype %s", c10::toString(t));
   }
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+long long ll(int64_t v) { return static_cast<long long>(v); }
 
-void check_vec(const at::Tensor& t, const char* name, at::ScalarType dtype, std::vector<int64_t> sizes,
+void check_vec(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t n1, int64_t n2,
                const at::Tensor& a) {
-  TORCH_CHECK(t.device() == a.device(), "_scaled_mm_decode_cuda: ", name, " must be on ", a.device());
-  TORCH_CHECK(t.scalar_type() == dtype && t.is_contiguous(), "_scaled_mm_decode_cuda: ", name,
-              " must be a contiguous ", dtype, " tensor");
-  bool ok = false;
-  for (int64_t s : sizes) ok = ok || t.numel() == s;
-  TORCH_CHECK(ok, "_scaled_mm_decode_cuda: ", name, " has ", t.numel(), " elements");
+  if (t.device() != a.device()) fail("%s must be on the device of a", name);
+  if (t.scalar_type() != dtype || !t.is_contiguous())
+    fail("%s must be a contiguous %s tensor (got %s)", name, c10::toString(dtype), c10::toString(t.scalar_type()));
+  if (t.numel() != n1 && t.numel() != n2)
+    fail("%s has %lld elements, expected %lld or %lld", name, ll(t.numel()), ll(n1), ll(n2));
 }
 
-at::Tensor scaled_mm_decode_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
-                                 const at::Tensor& scale_b, at::ScalarType out_dtype,
-                                 const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& azp_adj,
-                                 const std::optional<at::Tensor>& azp, int64_t splits) {
-  TORCH_CHECK(a.is_cuda() && b.is_cuda() && a.device() == b.device(),
-              "_scaled_mm_decode_cuda: a and b must be on one CUDA device");
-  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(0), "_scaled_mm_decode_cuda: a ", a.sizes(),
-              " and b ", b.sizes(), " are not [M, K] x [K, N]");
-  TORCH_CHECK(a.scalar_type() == b.scalar_type() &&
-                  (a.scalar_type() == at::kChar || a.scalar_type() == at::kFloat8_e4m3fn),
-              "_scaled_mm_decode_cuda: a and b must both be int8 or float8_e4m3fn");
+at::Tensor decode(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a, const at::Tensor& scale_b,
+                  at::ScalarType out_dtype, const std::optional<at::Tensor>& bias,
+                  const std::optional<at::Tensor>& azp_adj, const std::optional<at::Tensor>& azp, int64_t splits,
+                  int64_t warps, int64_t stages) {
+  if (!a.is_cuda() || !b.is_cuda() || a.device() != b.device()) fail("a and b must be on one CUDA device");
+  if (a.dim() != 2 || b.dim() != 2 || a.size(1) != b.size(0))
+    fail("a (%lld-D) and b (%lld-D) are not [M, K] x [K, N]", ll(a.dim()), ll(b.dim()));
+  if (a.scalar_type() != b.scalar_type() ||
+      (a.scalar_type() != at::kChar && a.scalar_type() != at::kFloat8_e4m3fn))
+    fail("a and b must both be int8 or float8_e4m3fn (got %s, %s)", c10::toString(a.scalar_type()),
+         c10::toString(b.scalar_type()));
   const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
-  TORCH_CHECK(M <= qd::kMaxM, "_scaled_mm_decode_cuda: M = ", M, " > ", qd::kMaxM);
-  TORCH_CHECK(K % 16 == 0 && K < (int64_t(1) << 30) && N < (int64_t(1) << 30),
-              "_scaled_mm_decode_cuda: K = ", K, " must be a multiple of 16 (and K, N < 2^30)");
-  TORCH_CHECK(a.stride(1) == 1 && (M <= 1 || a.stride(0) % 16 == 0) && aligned16(a.data_ptr()),
-              "_scaled_mm_decode_cuda: a (strides ", a.strides(), ") must be row-major with 16-byte aligned rows");
-  TORCH_CHECK(b.stride(0) == 1 && (N <= 1 || b.stride(1) % 16 == 0) && aligned16(b.data_ptr()),
-              "_scaled_mm_decode_cuda: b (strides ", b.strides(),
-              ") must be column-major (an [N, K] weight transposed) with 16-byte aligned rows");
-  check_vec(scale_a, "scale_a", at::kFloat, {1, M}, a);
-  check_vec(scale_b, "scale_b", at::kFloat, {1, N}, a);
+  if (M > qd::kMaxM) fail("M = %lld > %d", ll(M), qd::kMaxM);
+  if (K % 16 != 0 || K >= (int64_t(1) << 30) || N >= (int64_t(1) << 30))
+    fail("K = %lld must be a multiple of 16 (and K, N < 2^30)", ll(K));
+  if (a.stride(1) != 1 || (M > 1 && a.stride(0) % 16 != 0) || !aligned16(a.data_ptr()))
+    fail("a (strides %lld, %lld) must be row-major with 16-byte aligned rows", ll(a.stride(0)), ll(a.stride(1)));
+  if (b.stride(0) != 1 || (N > 1 && b.stride(1) % 16 != 0) || !aligned16(b.data_ptr()))
+    fail("b (strides %lld, %lld) must be column-major (an [N, K] weight transposed) with 16-byte aligned rows",
+         ll(b.stride(0)), ll(b.stride(1)));
+  check_vec(scale_a, "scale_a", at::kFloat, 1, M, a);
+  check_vec(scale_b, "scale_b", at::kFloat, 1, N, a);
+  if (out_dtype != at::kHalf && out_dtype != at::kBFloat16 && out_dtype != at::kFloat)
+    fail("out_dtype must be float16, bfloat16 or float32");
 
   const c10::cuda::CUDAGuard guard(a.device());
   const auto* props = at::cuda::getCurrentDeviceProperties();
   const int cc = props->major * 10 + props->minor;
   const bool fp8 = a.scalar_type() == at::kFloat8_e4m3fn;
-  TORCH_CHECK(cc >= (fp8 ? 89 : 80), "_scaled_mm_decode_cuda: ", fp8 ? "fp8 needs sm_89+" : "int8 needs sm_80+",
-              " (this GPU: sm_", cc, ")");
+  if (cc < (fp8 ? 89 : 80)) fail("%s (this GPU: sm_%d)", fp8 ? "fp8 needs sm_89+" : "int8 needs sm_80+", cc);
 
-  TORCH_CHECK(out_dtype == at::kHalf || out_dtype == at::kBFloat16 || out_dtype == at::kFloat,
-              "_scaled_mm_decode_cuda: out_dtype must be float16, bfloat16 or float32");
   at::Tensor out = at::empty({M, N}, a.options().dtype(out_dtype));
   if (M == 0 || N == 0) return out;
-  TORCH_CHECK(K > 0, "_scaled_mm_decode_cuda: K = 0 is not supported");
+  if (K == 0) fail("K = 0 is not supported");
 
   ScaledMmParams p;
   p.a = a.data_ptr();
@@ -99,42 +115,57 @@ at::Tensor scaled_mm_decode_cuda(const at::Tensor& a, const at::Tensor& b, const
   p.out_dtype = to_qdtype(out_dtype);
   p.epilogue = bias.has_value() ? QEpilogue::kScaledBias : QEpilogue::kScaled;
   if (bias.has_value()) {
-    check_vec(*bias, "bias", out_dtype, {N}, a);
+    check_vec(*bias, "bias", out_dtype, N, N, a);
     p.bias = bias->data_ptr();
   }
   if (azp_adj.has_value()) {
-    TORCH_CHECK(!fp8, "_scaled_mm_decode_cuda: zero points apply to int8 activations only");
-    check_vec(*azp_adj, "azp_adj", at::kInt, {N}, a);
+    if (fp8) fail("zero points apply to int8 activations only");
+    check_vec(*azp_adj, "azp_adj", at::kInt, N, N, a);
     p.azp_adj = azp_adj->data_ptr<int32_t>();
     p.epilogue = QEpilogue::kAzp;
     if (azp.has_value()) {
-      check_vec(*azp, "azp", at::kInt, {M}, a);
+      check_vec(*azp, "azp", at::kInt, M, M, a);
       p.azp = azp->data_ptr<int32_t>();
       p.epilogue = QEpilogue::kAzpToken;
     }
-  } else {
-    TORCH_CHECK(!azp.has_value(), "_scaled_mm_decode_cuda: azp given without azp_adj");
+  } else if (azp.has_value()) {
+    fail("azp given without azp_adj");
   }
   p.device = a.get_device();
   p.stream = at::cuda::getCurrentCUDAStream(a.get_device()).stream();
 
-  const qd::DecodeConfig config =
-      qd::choose_config(N, K, props->multiProcessorCount, cc >= 90, static_cast<int>(splits));
+  const qd::DecodeConfig config = qd::choose_config(N, K, props->multiProcessorCount, cc >= 90, static_cast<int>(splits),
+                                                    static_cast<int>(warps), static_cast<int>(stages));
   int cuda_error = 0;
   const int status = fp8 ? qd::launch_fp8(p, config, &cuda_error) : qd::launch_i8(p, config, &cuda_error);
-  TORCH_CHECK(status == quantfuse::kQOk, "_scaled_mm_decode_cuda (M=", M, " N=", N, " K=", K, ", splits ",
-              config.splits, ", warps ", config.warps, "): ",
-              status == quantfuse::kQLaunchFailed ? cudaGetErrorString(static_cast<cudaError_t>(cuda_error))
-                                                  : "no kernel for this combination");
+  if (status != quantfuse::kQOk)
+    fail("M=%lld N=%lld K=%lld, splits %d, warps %d, stages %d: %s", ll(M), ll(N), ll(K), config.splits, config.warps,
+         config.stages,
+         status == quantfuse::kQLaunchFailed ? cudaGetErrorString(static_cast<cudaError_t>(cuda_error))
+                                             : "no kernel for this combination");
   return out;
 }
 
-// The work split the op would use (benchmarks, notes): [splits, warps, chunks_per_part].
+at::Tensor scaled_mm_decode_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
+                                 const at::Tensor& scale_b, at::ScalarType out_dtype,
+                                 const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& azp_adj,
+                                 const std::optional<at::Tensor>& azp, int64_t splits) {
+  return decode(a, b, scale_a, scale_b, out_dtype, bias, azp_adj, azp, splits, -1, -1);
+}
+
+// Benchmarks: every knob of the work split forced (-1: chosen).
+at::Tensor scaled_mm_decode_tune(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
+                                 const at::Tensor& scale_b, at::ScalarType out_dtype,
+                                 const std::optional<at::Tensor>& bias, int64_t splits, int64_t warps, int64_t stages) {
+  return decode(a, b, scale_a, scale_b, out_dtype, bias, std::nullopt, std::nullopt, splits, warps, stages);
+}
+
+// The work split the op would use (benchmarks, notes): [splits, warps, chunks_per_part, stages].
 std::vector<int64_t> scaled_mm_decode_config(int64_t N, int64_t K, int64_t splits) {
   const auto* props = at::cuda::getCurrentDeviceProperties();
   const qd::DecodeConfig c = qd::choose_config(N, K, props->multiProcessorCount,
                                                props->major * 10 + props->minor >= 90, static_cast<int>(splits));
-  return {c.splits, c.warps, c.chunks_per_part};
+  return {c.splits, c.warps, c.chunks_per_part, c.stages};
 }
 
 }  // namespace
@@ -143,7 +174,13 @@ TORCH_LIBRARY_FRAGMENT(quantfuse, m) {
   m.def(
       "_scaled_mm_decode_cuda(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, ScalarType out_dtype, "
       "Tensor? bias=None, Tensor? azp_adj=None, Tensor? azp=None, int splits=-1) -> Tensor");
+  m.def(
+      "_scaled_mm_decode_tune(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, ScalarType out_dtype, "
+      "Tensor? bias=None, int splits=-1, int warps=-1, int stages=-1) -> Tensor");
   m.def("_scaled_mm_decode_config(int N, int K, int splits=-1) -> int[]", &scaled_mm_decode_config);
 }
 
-TORCH_LIBRARY_IMPL(quantfuse, CUDA, m) { m.impl("_scaled_mm_decode_cuda", &scaled_mm_decode_cuda); }
+TORCH_LIBRARY_IMPL(quantfuse, CUDA, m) {
+  m.impl("_scaled_mm_decode_cuda", &scaled_mm_decode_cuda);
+  m.impl("_scaled_mm_decode_tune", &scaled_mm_decode_tune);
+}
