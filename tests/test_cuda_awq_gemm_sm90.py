@@ -130,12 +130,14 @@ def test_llama_shapes(N, K, M, dtype, group):
 
 
 @needs_sm90
-@pytest.mark.parametrize("config", (0, 1))
+@pytest.mark.parametrize("config", (0, 1, 2, 3))
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_each_config(config, dtype):
-    """Both tile configurations on both sides of the M switch (partial tiles included)."""
-    for M in (65, 300):
+    """Every tile configuration at small and large M (partial tiles included), with an
+    odd number of 128-row weight tiles (N = 384: the 2x1 cluster's second CTA is idle)."""
+    for M in (65, 300, 1500):
         run_case(M, 1024, 2048, 128, dtype, seed=M + config, bias=True, config=config)
+        run_case(M, 384, 1024, -1, dtype, seed=M + config + 7, config=config)
 
 
 @needs_sm90

@@ -69,7 +69,7 @@ struct Sm90Only : Kernel {
 // Tile = (weight rows [kernel M], tokens [kernel N], K).  Pingpong: one consumer warpgroup
 // per tile, two alternating (one's epilogue hides under the other's mainloop); Cooperative:
 // both warpgroups on one tile (128 weight rows, 64 each).
-template <int TM, int TN, int TK, bool Coop, int ClusterM = 1, bool Reorder = true>
+template <int TM, int TN, int TK, bool Coop, int ClusterM = 1>
 struct Config {
   using Tile = Shape<Int<TM>, Int<TN>, Int<TK>>;
   using Cluster = Shape<Int<ClusterM>, _1, _1>;
@@ -77,15 +77,23 @@ struct Config {
                                             cutlass::gemm::KernelTmaWarpSpecializedPingpong>;
   using EpiSchedule = std::conditional_t<Coop, cutlass::epilogue::TmaWarpSpecializedCooperative,
                                          cutlass::epilogue::TmaWarpSpecialized>;
-  static constexpr bool kReorder = Reorder;
   static constexpr int kTileK = TK;
 };
 
-// 0: medium M (64 < M <= 256 class): 64 weight rows x 128 tokens, ping-pong: many CTAs
-//    along N (N/64 x ceil(M/128)) so that M = 256 still fills the 132 SMs.
-using ConfigMedium = Config<64, 128, 64, false>;
-// 1: large M: 128 x 256 cooperative (each warpgroup 64 x 256).
-using ConfigLarge = Config<128, 256, 64, true>;
+// Measured on an H100 (fp16, group 128, N x K in {6144, 4096, 28672} x 4096 and 4096 x 14336,
+// M 128..8192; 12 configurations tried, fp16): four kept, chosen by a
+// wave-count cost model (choose_config in awq_gemm_sm90_f16.cu).
+// 0: 64 weight rows x 128 tokens x 64, ping-pong: small M, any group size.
+using ConfigSmall = Config<64, 128, 64, false>;
+// 1: same with 128-deep K tiles (half the barrier round trips per K): ~10% faster at
+//    M <= 256, needs group_size % 128 == 0 (or per-channel) and K % 128 == 0.
+using ConfigSmallK128 = Config<64, 128, 128, false>;
+// 2: 64 x 256 x 64 ping-pong: medium M where 128-row tiles leave SMs idle.
+using ConfigMedium = Config<64, 256, 64, false>;
+// 3: 128 x 256 x 64 cooperative, cluster 2x1 (the x tile multicast to both CTAs): large M.
+//    (Same tile without the cluster: 0-15% slower; 128x128 tiles, 64x64 tiles, 128-deep K
+//    for large tiles and the plain (not reordered) int4 layout were all slower.)
+using ConfigLarge = Config<128, 256, 64, true, 2>;
 
 template <class T, class Cfg>
 struct AwqGemm {
@@ -93,7 +101,7 @@ struct AwqGemm {
   using ElementAcc = float;
   using Tile = typename Cfg::Tile;
   using Cluster = typename Cfg::Cluster;
-  using LayoutQ = std::conditional_t<Cfg::kReorder, LayoutQReordered, cutlass::layout::RowMajor>;
+  using LayoutQ = LayoutQReordered;
   using LayoutX = cutlass::layout::ColumnMajor;  // x [M, K] as the kernel's "B" [M, K] K-major
   using LayoutD = cutlass::layout::ColumnMajor;  // D^T [N, M]
   static constexpr int kAlignQ = 128 / cutlass::sizeof_bits<ElementQ>::value;  // 32
@@ -140,15 +148,9 @@ struct AwqGemm {
     using StrideD = typename KernelBase::StrideD;
     using StrideS = typename CollectiveMainloop::StrideScale;
     const int N = static_cast<int>(p.N), M = static_cast<int>(p.M), K = static_cast<int>(p.K);
-    if (K % Cfg::kTileK != 0) return kCannotImplement;
+    if (K % Cfg::kTileK != 0 || (p.group_size != K && p.group_size % Cfg::kTileK != 0)) return kCannotImplement;
 
-    StrideQ stride_q{};
-    if constexpr (Cfg::kReorder) {
-      stride_q = make_layout_q_reordered(N, K);
-    } else {
-      get<0>(stride_q) = K;
-      get<2>(stride_q) = int64_t(N) * K;
-    }
+    const StrideQ stride_q = make_layout_q_reordered(N, K);
     StrideX stride_x{};
     get<0>(stride_x) = K;
     get<2>(stride_x) = int64_t(M) * K;
@@ -215,9 +217,17 @@ cudaError_t prepare_zeros(const uint32_t* qzeros, const void* scales, void* zero
 cudaError_t prepare_zeros_bf16(const uint32_t* qzeros, const void* scales, void* zeros_out, int groups, int N,
                                cudaStream_t stream);
 
-// Development-only extra configurations register here (fp16); see awq_gemm_sm90_f16.cu.
-using GemmFn = int (*)(const GemmParams&);
-GemmFn* extra_configs();
-constexpr int kMaxConfigs = 16;
+template <class T>
+int dispatch(const GemmParams& p) {
+  const int cfg = p.config >= 0 ? p.config
+                                : choose_config(p.M, p.N, p.K, p.group_size, AwqGemm<T, ConfigSmall>::sm_count(p.device));
+  switch (cfg) {
+    case 0: return AwqGemm<T, ConfigSmall>::run(p);
+    case 1: return AwqGemm<T, ConfigSmallK128>::run(p);
+    case 2: return AwqGemm<T, ConfigMedium>::run(p);
+    case 3: return AwqGemm<T, ConfigLarge>::run(p);
+    default: return kUnsupported;
+  }
+}
 
 }  // namespace quantfuse::awq_sm90

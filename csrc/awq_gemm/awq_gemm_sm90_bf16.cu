@@ -8,13 +8,6 @@ cudaError_t prepare_zeros_bf16(const uint32_t* qzeros, const void* scales, void*
   return prepare_zeros<cutlass::bfloat16_t>(qzeros, scales, zeros_out, groups, N, stream);
 }
 
-int gemm_bf16(const GemmParams& p) {
-  const int cfg = p.config >= 0 ? p.config : choose_config(p.M, p.N);
-  switch (cfg) {
-    case 0: return AwqGemm<cutlass::bfloat16_t, ConfigMedium>::run(p);
-    case 1: return AwqGemm<cutlass::bfloat16_t, ConfigLarge>::run(p);
-    default: return kUnsupported;
-  }
-}
+int gemm_bf16(const GemmParams& p) { return dispatch<cutlass::bfloat16_t>(p); }
 
 }  // namespace quantfuse::awq_sm90

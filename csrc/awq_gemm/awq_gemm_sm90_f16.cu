@@ -1,6 +1,5 @@
 // AWQ W4A16 prefill GEMM on Hopper, float16 activations (see awq_gemm_sm90.cuh), plus the
-// dtype-independent pieces: the int4 weight preparation, the config choice, and the
-// registry of development-only configs.
+// dtype-independent pieces: the int4 weight preparation and the config choice.
 #include "awq_gemm/awq_gemm_sm90.cuh"
 
 namespace quantfuse::awq_sm90 {
@@ -32,18 +31,13 @@ __global__ void pack_kernel(const uint8_t* __restrict__ tmp, uint8_t* __restrict
 
 }  // namespace
 
-cudaError_t launch_prepare_weight(const uint32_t* qweight, uint8_t* tmp, uint8_t* out, int K, int N, bool reorder,
+cudaError_t launch_prepare_weight(const uint32_t* qweight, uint8_t* tmp, uint8_t* out, int K, int N,
                                   cudaStream_t stream) {
   const int64_t words = int64_t(K) * (N / 8);
   if (words == 0) return cudaSuccess;
   const int threads = 256;
   const unsigned blocks = static_cast<unsigned>((words + threads - 1) / threads);
-  if (reorder) {
-    scatter_kernel<<<blocks, threads, 0, stream>>>(qweight, tmp, K, N, make_layout_q_reordered(N, K));
-  } else {
-    auto plain = make_layout(make_shape(N, K, 1), make_stride(int64_t(K), _1{}, int64_t(N) * K));
-    scatter_kernel<<<blocks, threads, 0, stream>>>(qweight, tmp, K, N, plain);
-  }
+  scatter_kernel<<<blocks, threads, 0, stream>>>(qweight, tmp, K, N, make_layout_q_reordered(N, K));
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   const int64_t nbytes = int64_t(N) * K / 2;
@@ -57,26 +51,24 @@ cudaError_t launch_prepare_zeros(DType dtype, const uint32_t* qzeros, const void
   return prepare_zeros_bf16(qzeros, scales, zeros_out, groups, N, stream);
 }
 
-GemmFn* extra_configs() {
-  static GemmFn table[kMaxConfigs] = {};
-  return table;
+// Cost model: a persistent kernel's time ~ (waves of tiles over the SMs) x (time of one
+// wave of that tile), the latter measured on an H100 at K = 4096 (µs; each config's
+// per-wave time scales alike with K): 64x128x128 19, 64x128x64 22, 64x256 26.5,
+// 128x256 cluster 2x1 47.  Of the four it picks the measured-fastest in 23 of the 24
+// benchmarked (shape, M) points (fp16, group 128, M 128..8192), and one 0.2% slower in the other.
+int choose_config(int64_t M, int64_t N, int64_t K, int group_size, int sm_count) {
+  const int64_t sms = sm_count > 0 ? sm_count : 132;
+  auto waves = [&](int64_t tiles) { return double((tiles + sms - 1) / sms); };
+  auto tiles = [&](int64_t tm, int64_t tn) { return ((N + tm - 1) / tm) * ((M + tn - 1) / tn); };
+  const bool k128 = K % 128 == 0 && (group_size == K || group_size % 128 == 0);
+  const double t_small = waves(tiles(64, 128)) * (k128 ? 19.0 : 22.0);
+  const double t_medium = waves(tiles(64, 256)) * 26.5;
+  const double t_large = waves(tiles(128, 256)) * 47.0;
+  if (t_large <= t_medium && t_large <= t_small) return 3;
+  if (t_medium <= t_small) return 2;
+  return k128 ? 1 : 0;
 }
 
-// Measured on an H100 (benchmarks/notes_awq.md): the 64x128 ping-pong config up to
-// M = 256 tokens, the 128x256 cooperative one above.
-int choose_config(int64_t M, int64_t /*N*/) { return M <= 256 ? 0 : 1; }
-
-bool config_reorders(int config) { return config != 6; }
-
-int gemm_f16(const GemmParams& p) {
-  const int cfg = p.config >= 0 ? p.config : choose_config(p.M, p.N);
-  switch (cfg) {
-    case 0: return AwqGemm<cutlass::half_t, ConfigMedium>::run(p);
-    case 1: return AwqGemm<cutlass::half_t, ConfigLarge>::run(p);
-    default:
-      if (cfg < kMaxConfigs && extra_configs()[cfg] != nullptr) return extra_configs()[cfg](p);
-      return kUnsupported;
-  }
-}
+int gemm_f16(const GemmParams& p) { return dispatch<cutlass::half_t>(p); }
 
 }  // namespace quantfuse::awq_sm90

@@ -1,7 +1,7 @@
 // quantfuse AWQ W4A16 prefill on Hopper: tensor checks and op registration for the
 // CUTLASS mixed-input kernels (awq_gemm_sm90_*.cu).  Called from
 // compile_backend/cuda/awq_gemm_sm90.py:
-//   _awq_prepare_sm90_cuda(qweight, scales, qzeros, group_size, reorder=True)
+//   _awq_prepare_sm90_cuda(qweight, scales, qzeros, group_size)
 //       -> (wq uint8 [N, K/2] in the kernel's int4 layout, scales [K/g, N] (a copy),
 //           zeros [K/g, N] = -z * s), once per weight;
 //   _awq_gemm_sm90_cuda(x, wq, scales, zeros, group_size, bias=None, config=-1) -> out [M, N].
@@ -52,8 +52,7 @@ void check_cuda(cudaError_t err, const char* what) {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> awq_prepare_sm90_cuda(const at::Tensor& qweight,
                                                                      const at::Tensor& scales,
-                                                                     const at::Tensor& qzeros, int64_t group_size,
-                                                                     bool reorder) {
+                                                                     const at::Tensor& qzeros, int64_t group_size) {
   check_cuda_contig(qweight, "qweight");
   check_cuda_contig(scales, "scales");
   check_cuda_contig(qzeros, "qzeros");
@@ -75,8 +74,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> awq_prepare_sm90_cuda(const at::T
   if (K > 0 && N > 0) {
     at::Tensor tmp = at::empty({N * K}, qweight.options().dtype(at::kByte));
     check_cuda(qa::launch_prepare_weight(reinterpret_cast<const uint32_t*>(qweight.data_ptr<int32_t>()),
-                                         tmp.data_ptr<uint8_t>(), wq.data_ptr<uint8_t>(), (int)K, (int)N, reorder,
-                                         stream),
+                                         tmp.data_ptr<uint8_t>(), wq.data_ptr<uint8_t>(), (int)K, (int)N, stream),
                "awq_prepare_sm90 (weight)");
     check_cuda(qa::launch_prepare_zeros(dt, reinterpret_cast<const uint32_t*>(qzeros.data_ptr<int32_t>()),
                                         scales.data_ptr(), zeros.data_ptr(), (int)groups, (int)N, stream),
@@ -123,7 +121,7 @@ at::Tensor awq_gemm_sm90_cuda(const at::Tensor& x, const at::Tensor& wq, const a
   }
   TORCH_CHECK(M * K < (int64_t(1) << 31) && M * N < (int64_t(1) << 31),
               "quantfuse awq_sm90: sizes too large for 32-bit indexing");
-  TORCH_CHECK(config >= -1 && config < 16, "quantfuse awq_sm90: config must be -1 (auto) or 0..15");
+  TORCH_CHECK(config >= -1 && config <= 3, "quantfuse awq_sm90: config must be -1 (auto) or 0..3");
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
@@ -150,19 +148,19 @@ at::Tensor awq_gemm_sm90_cuda(const at::Tensor& x, const at::Tensor& wq, const a
   return out;
 }
 
-int64_t awq_sm90_config(int64_t M, int64_t N) { return quantfuse::awq_sm90::choose_config(M, N); }
-
-bool awq_sm90_config_reorders(int64_t config) { return quantfuse::awq_sm90::config_reorders((int)config); }
+// The config the kernel picks by default (benchmarks); sm_count 0: an H100's 132.
+int64_t awq_sm90_config(int64_t M, int64_t N, int64_t K, int64_t group_size, int64_t sm_count) {
+  return quantfuse::awq_sm90::choose_config(M, N, K, (int)group_size, (int)sm_count);
+}
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(quantfuse, m) {
-  m.def("_awq_prepare_sm90_cuda(Tensor qweight, Tensor scales, Tensor qzeros, int group_size, bool reorder=True) "
+  m.def("_awq_prepare_sm90_cuda(Tensor qweight, Tensor scales, Tensor qzeros, int group_size) "
         "-> (Tensor, Tensor, Tensor)");
   m.def("_awq_gemm_sm90_cuda(Tensor x, Tensor wq, Tensor scales, Tensor zeros, int group_size, Tensor? bias=None, "
         "int config=-1) -> Tensor");
-  m.def("_awq_sm90_config(int M, int N) -> int", &awq_sm90_config);
-  m.def("_awq_sm90_config_reorders(int config) -> bool", &awq_sm90_config_reorders);
+  m.def("_awq_sm90_config(int M, int N, int K, int group_size, int sm_count=0) -> int", &awq_sm90_config);
 }
 
 TORCH_LIBRARY_IMPL(quantfuse, CUDA, m) {
