@@ -159,6 +159,8 @@ struct GroupRaw {
 
 // Resident warps per SM the register budget must allow: enough 16-byte loads in flight to
 // cover DRAM latency (fewer for more token tiles, whose accumulators need the registers).
+// (A variant landing the weights in a per-warp shared-memory ring by cp.async instead of
+// registers measured slower on the H100: more instructions per step; notes_awq.md.)
 constexpr int min_warps_per_sm(int nt) { return nt == 1 ? 16 : (nt == 2 ? 12 : 8); }
 
 template <typename T, int NT, int W, bool CLUSTER>
@@ -231,6 +233,11 @@ __global__ void __launch_bounds__(W * 32, min_warps_per_sm(NT) / W) awq_gemm_ker
     }
   };
 
+  // Weights first: theirs is the latency that matters.
+  uint4 buf[kPrefetch];
+#pragma unroll
+  for (int u = 0; u < kPrefetch; ++u)
+    if (wb + u < we) buf[u] = load_stream(wl + (size_t)(wb + u) * 32);
   int grp = wb / gsteps;
   int pos = wb - grp * gsteps;  // steps of the current group already behind us
   GroupRaw<T> next;
@@ -267,10 +274,6 @@ __global__ void __launch_bounds__(W * 32, min_warps_per_sm(NT) / W) awq_gemm_ker
     }
   };
 
-  uint4 buf[kPrefetch];
-#pragma unroll
-  for (int u = 0; u < kPrefetch; ++u)
-    if (wb + u < we) buf[u] = load_stream(wl + (size_t)(wb + u) * 32);
   int kt = wb;
   for (; kt + kPrefetch <= we; kt += kPrefetch) {
 #pragma unroll
@@ -459,20 +462,20 @@ int occupancy(int nt) {
 }
 
 // Memory-bound: one wave of resident blocks, each streaming a contiguous K range.  K is split
-// over blocks only as far as needed to occupy every block slot of the GPU, each warp keeping
-// at least two k-steps; a cluster holds at most kMaxCluster blocks.
+// over blocks (a power of two, at most kMaxCluster) while the blocks fill at most 3/4 of the
+// GPU's block slots and each warp keeps at least 8 k-steps: on the H100, more and shorter
+// splits measured slower (cluster scheduling, per-warp pipeline fill; benchmarks/notes_awq.md).
 template <typename T>
 int splits_for(int M, int N, int K, int device, int warps) {
   const int W = warps_for(warps);
   const int nt = nt_for(M);
   const int occ = W == 8 ? occupancy<T, 8>(nt) : occupancy<T, 4>(nt);
   const int blocks = (N / kStripN) * ((M + 8 * nt - 1) / (8 * nt));
-  const int slots = sm_count(device) * occ;
-  int s = slots / blocks;
-  const int max_s = (K / 16) / (W * 2);
-  if (s > max_s) s = max_s;
-  if (s > kMaxCluster) s = kMaxCluster;
-  return s < 1 ? 1 : s;
+  const int budget = sm_count(device) * occ * 3 / 4;
+  const int steps = K / 16;
+  int s = 1;
+  while (s * 2 <= kMaxCluster && blocks * s * 2 <= budget && steps / (s * 2 * W) >= 8) s *= 2;
+  return s;
 }
 
 template <typename T, int NT, int W>
