@@ -1,13 +1,19 @@
 """CUDA dispatch for quantfuse.awq_gemm and quantfuse.awq_dequantize (csrc/awq_gemm/).
 
-* ``awq_gemm`` with M <= ``KERNEL_MAX_M``: the weight-streaming tensor-core kernel
-  (int4 dequantized in registers into mma.sync fragments, split-K over the SMs).
-  It reads the weight in its own fragment layout, made once per weight by
-  ``_awq_repack_cuda`` and kept in a cache keyed by the ``qweight`` tensor (its
-  identity, storage pointer and ``_version``): never per call.
-* ``awq_gemm`` with larger M: the dequantize kernel to a dense weight, then cuBLAS
-  (``addmm``), where the measurements (benchmarks/results_awq.md) show it wins.
-* ``awq_dequantize``: the dequantize kernel.
+``awq_gemm`` by M (thresholds measured on an H100, benchmarks/results_awq.md):
+
+* M <= ``DECODE_MAX_M``: the weight-streaming tensor-core kernel (int4 dequantized in
+  registers into mma.sync A fragments, K split over the SMs).  It reads the weight in
+  its own fragment layout, made once per weight by ``_awq_repack_cuda`` and kept in a
+  cache keyed by the ``qweight`` tensor (its identity, storage pointer and
+  ``_version``): never per call.
+* larger M on Hopper: the CUTLASS mixed-input (TMA + wgmma) kernel of
+  ``awq_gemm_sm90`` where it takes the shape (group size a multiple of 64 or per-channel,
+  K % 64, N % 128);
+* otherwise the streaming kernel up to ``KERNEL_MAX_M``, and above that the dequantize
+  kernel to a dense weight plus cuBLAS (``addmm``).
+
+``awq_dequantize``: the dequantize kernel.
 
 Unsupported inputs (N not a multiple of 64, K or the group size not a multiple of 16,
 pre-sm_80 GPUs, CPU tensors) return a reason and the reference runs.
@@ -15,6 +21,7 @@ pre-sm_80 GPUs, CPU tensors) return a reason and the reference runs.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import weakref
@@ -22,13 +29,16 @@ import weakref
 import torch
 
 from .. import kernels
+from . import awq_gemm_sm90
 
 STRIP_N = 64
-# M at and below which the fused kernel runs; above, dequantize + cuBLAS.  Measured
-# crossover on an H100 (benchmarks/results_awq.md); override for experiments.
+# The streaming kernel runs for M <= DECODE_MAX_M, and up to KERNEL_MAX_M where the SM90
+# prefill kernel cannot take the input; override for experiments.
+DECODE_MAX_M = int(os.environ.get("QUANTFUSE_AWQ_DECODE_MAX_M", "32"))
 KERNEL_MAX_M = int(os.environ.get("QUANTFUSE_AWQ_KERNEL_MAX_M", "64"))
 
 _ACT_DTYPES = (torch.float16, torch.bfloat16)
+log = logging.getLogger(__name__)
 
 
 def _common_reason(qweight, scales, qzeros, group_size) -> str | None:
@@ -124,6 +134,13 @@ def clear_cache() -> None:
 # --------------------------------------------------------------------------- launches
 
 
+def prefill_reason(x, qweight, scales, qzeros, group_size, bias=None) -> str | None:
+    """None when the SM90 prefill kernel takes these inputs and is built, else why not."""
+    if not hasattr(torch.ops.quantfuse, "_awq_gemm_sm90_cuda"):
+        return "not built (csrc/awq_gemm/awq_gemm_sm90*)"
+    return awq_gemm_sm90.supports_prefill(x, qweight, scales, qzeros, group_size, bias)
+
+
 def launch_gemm(x, qweight, scales, qzeros, group_size, bias=None):
     M, N = x.shape[0], qweight.shape[1] * 8
     if M == 0:
@@ -131,6 +148,11 @@ def launch_gemm(x, qweight, scales, qzeros, group_size, bias=None):
     x = x.contiguous()
     scales, qzeros = scales.contiguous(), qzeros.contiguous()
     bias = None if bias is None else bias.contiguous()
+    if M > DECODE_MAX_M:
+        reason = prefill_reason(x, qweight, scales, qzeros, group_size, bias)
+        if reason is None:
+            return awq_gemm_sm90.launch_prefill(x, qweight, scales, qzeros, group_size, bias)
+        log.debug("quantfuse awq_gemm: M = %d, SM90 prefill kernel not used: %s", M, reason)
     if M <= KERNEL_MAX_M:
         return torch.ops.quantfuse._awq_gemm_cuda(x, packed_weight(qweight), scales, qzeros, group_size, bias)
     w = torch.ops.quantfuse._awq_dequantize_cuda(qweight.contiguous(), scales, qzeros, group_size)
