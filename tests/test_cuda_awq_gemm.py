@@ -16,6 +16,8 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
+from awq_data import make_awq, make_x  # noqa: E402
+
 import compile_backend  # noqa: E402,F401  (registers ops and kernel families)
 from compile_backend import kernels  # noqa: E402
 from compile_backend.cuda import awq_gemm as awq_cuda  # noqa: E402
@@ -27,28 +29,6 @@ DEV = "cuda"
 GROUPS = (32, 64, 128, -1)  # -1: per-channel (group = K)
 M_ALL = (1, 2, 3, 7, 8, 15, 16, 17, 31, 32, 64, 100, 256, 1024, 4096)
 LLAMA = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
-
-
-def make_awq(K, N, group, dtype, gen):
-    """Random AWQ weights with extremes: zeros include 0 and 15, scales span ~2 decades."""
-    G = K if group == -1 else group
-    q = torch.randint(0, 16, (K, N), generator=gen, device=DEV, dtype=torch.int32)
-    z = torch.randint(0, 16, (K // G, N), generator=gen, device=DEV, dtype=torch.int32)
-    z[0, : min(N, 8)] = 0
-    z[-1, -min(N, 8):] = 15
-    s = torch.rand((K // G, N), generator=gen, device=DEV, dtype=torch.float32) * 2e-3 + 1e-4
-    s[0, ::7] = 1e-4  # small extreme
-    s[-1, 3::11] = 4e-3  # large extreme
-    s = s.to(dtype)
-    return awq_pack(q), s, awq_pack(z), G, q, z
-
-
-def make_x(M, K, dtype, gen):
-    x = torch.randn((M, K), generator=gen, device=DEV, dtype=torch.float32) * 100
-    # a few activations near the top of fp16's range
-    idx = torch.randint(0, M * K, (max(1, M * K // 4096),), generator=gen, device=DEV)
-    x.view(-1)[idx] = 30000.0 * torch.sign(torch.randn(idx.shape, generator=gen, device=DEV))
-    return x.to(dtype)
 
 
 def reference64(x, q, z, s, G, bias=None):

@@ -28,6 +28,8 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
+from awq_data import make_awq, make_x  # noqa: E402
+
 import compile_backend  # noqa: E402,F401  (registers ops and kernel families)
 from compile_backend import kernels  # noqa: E402
 from compile_backend.cuda import awq_gemm_sm90 as sm90  # noqa: E402
@@ -39,26 +41,6 @@ IS_SM90 = torch.cuda.get_device_capability() == (9, 0)
 needs_sm90 = pytest.mark.skipif(not IS_SM90, reason="the kernel is sm_90a only")
 GROUPS = (64, 128, -1)  # -1: per-channel (group = K); 32 is unsupported (see test below)
 DTYPES = (torch.float16, torch.bfloat16)
-
-
-def make_awq(K, N, group, dtype, gen):
-    G = K if group == -1 else group
-    q = torch.randint(0, 16, (K, N), generator=gen, device=DEV, dtype=torch.int32)
-    z = torch.randint(0, 16, (K // G, N), generator=gen, device=DEV, dtype=torch.int32)
-    z[0, : min(N, 8)] = 0
-    z[-1, -min(N, 8):] = 15
-    s = torch.rand((K // G, N), generator=gen, device=DEV, dtype=torch.float32) * 2e-3 + 1e-4
-    s[0, ::7] = 1e-4
-    s[-1, 3::11] = 4e-3
-    s = s.to(dtype)
-    return awq_pack(q), s, awq_pack(z), G, q, z
-
-
-def make_x(M, K, dtype, gen):
-    x = torch.randn((M, K), generator=gen, device=DEV, dtype=torch.float32) * 100
-    idx = torch.randint(0, M * K, (max(1, M * K // 4096),), generator=gen, device=DEV)
-    x.view(-1)[idx] = 30000.0 * torch.sign(torch.randn(idx.shape, generator=gen, device=DEV))
-    return x.to(dtype)
 
 
 def check(out, x, q, z, s, G, bias, what):
