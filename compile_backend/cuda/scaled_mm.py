@@ -89,8 +89,10 @@ def supports_azp(a, b, scale_a, scale_b, out_dtype, azp_adj, azp=None, bias=None
 
 
 # Decode (small M): the weight-streaming mma.sync kernel (csrc/scaled_mm/scaled_mm_decode*)
-# instead of CUTLASS, up to this many rows of a (its largest token tile is 16).
-DECODE_MAX_M = 16
+# instead of CUTLASS, up to this many rows of a (the kernel takes M <= 16).  0 = off: on the
+# H100 it is still 1.15-1.35x slower than the CUTLASS swapped decode config at M = 1 and 16
+# on every LLM shape measured (benchmarks/notes_scaled_mm_decode.md); set to 16 to route.
+DECODE_MAX_M = 0
 _decode_op_built: list[bool] = []
 
 

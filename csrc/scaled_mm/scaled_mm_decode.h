@@ -24,17 +24,19 @@ struct DecodeConfig {
   int splits = 1;           // CTAs of one cluster along K (1: no cluster)
   int warps = 4;            // warps per CTA, each a K partition
   int chunks_per_part = 1;  // K chunks per (CTA, warp) partition
-  int stages = 4;           // cp.async pipeline depth in chunks (4 or 8)
+  int stages = 4;           // cp.async pipeline depth in chunks (only 4 is instantiated)
 };
 
 // The work split for an M x N x K problem on a GPU with `sms` SMs.  `splits` > 0 forces the
 // cluster size (tests, benchmarks), `warps` > 0 the warps per CTA and `stages` > 0 the
 // pipeline depth (benchmarks); clusters (splits > 1) need sm_90 (`clusters`).
-// Aim: about kTargetWarpsPerSm warps per SM streaming the weight in one wave, each with
-// at least two chunks (128 bytes of every one of its 32 rows) to load.
+// Chosen (H100 measurements, benchmarks/notes_scaled_mm_decode.md): no cluster split (the
+// DSMEM split-K variants, 2-8 CTAs per cluster, were 0-40% slower on the LLM shapes), 4
+// warps per CTA splitting K while the 32-channel tiles alone fill about two waves of SMs,
+// else 8 (N = 28672: 61.5 us against 76.5 with 3 warps); 4 pipeline stages (8: slower,
+// no longer instantiated).
 inline DecodeConfig choose_config(int64_t N, int64_t K, int sms, bool clusters, int splits = -1, int warps = -1,
                                   int stages = -1) {
-  constexpr int kTargetWarpsPerSm = 16;
   const int64_t row_blocks = (N + kRowsPerWarp - 1) / kRowsPerWarp;
   const int64_t chunks = (K + kChunkBytes - 1) / kChunkBytes;
   DecodeConfig c;
@@ -42,18 +44,8 @@ inline DecodeConfig choose_config(int64_t N, int64_t K, int sms, bool clusters, 
     c.splits = static_cast<int>(std::min<int64_t>(std::min(splits, clusters ? kMaxSplits : 1), chunks));
     c.warps = static_cast<int>(std::clamp<int64_t>((chunks + c.splits - 1) / c.splits, 1, 4));
   } else {
-    const int64_t target = std::max<int64_t>(1, int64_t(sms) * kTargetWarpsPerSm);
-    int64_t per_part = std::max<int64_t>(2, (chunks * row_blocks + target - 1) / target);
-    int64_t parts = std::max<int64_t>(1, (chunks + per_part - 1) / per_part);
-    if (clusters) {
-      c.warps = static_cast<int>(std::min<int64_t>(parts, 4));
-      c.splits = static_cast<int>(std::min<int64_t>((parts + c.warps - 1) / c.warps, kMaxSplits));
-      if (int64_t(c.splits) * c.warps < parts) c.warps = static_cast<int>(std::min<int64_t>(
-          (parts + c.splits - 1) / c.splits, kMaxWarps));
-    } else {
-      c.splits = 1;
-      c.warps = static_cast<int>(std::min<int64_t>(parts, kMaxWarps));
-    }
+    c.splits = 1;
+    c.warps = static_cast<int>(std::clamp<int64_t>(chunks, 1, row_blocks <= 2 * int64_t(sms) ? 4 : 8));
   }
   if (warps > 0) c.warps = std::min(warps, kMaxWarps);
   if (stages > 0) c.stages = stages;

@@ -1,5 +1,5 @@
 // int8 decode kernels (scaled_mm_decode.cuh): 2 token tiles x 3 output types x 3 epilogue
-// trees (Scaled runs as ScaledBias with a null bias) = 18 instantiations.
+// trees (Scaled runs as ScaledBias with a null bias) = 18 instantiations (4 pipeline stages).
 #include "scaled_mm/scaled_mm_decode.cuh"
 
 namespace quantfuse::decode {
