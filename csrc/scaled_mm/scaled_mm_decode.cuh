@@ -1,5 +1,6 @@
-// W8A8 decode kernel (M <= 16): streams the weight once at DRAM bandwidth through
-// mma.sync tensor-core instructions (int8: m16n8k32 s8 x s8 -> s32, sm_80+; fp8 e4m3:
+// W8A8 decode kernel (M <= 16): streams the weight once through mma.sync tensor-core
+// instructions (measured on the H100: 31-63% of DRAM bandwidth, slower than the CUTLASS
+// decode config, so not routed by default; benchmarks/notes_scaled_mm_decode.md) (int8: m16n8k32 s8 x s8 -> s32, sm_80+; fp8 e4m3:
 // m16n8k32 e4m3 x e4m3 -> f32, sm_89+).
 //
 // Roles (a "swapped" product, D^T = W A^T): the WEIGHT [N, K] (row-major; b is its
@@ -16,7 +17,8 @@
 //
 // Work split (DecodeConfig, scaled_mm_decode.h): a warp owns 32 channels (two m16 tiles)
 // and a contiguous range of 64-byte K chunks; the warps of a CTA split K, and on sm_90 so
-// do the up to 8 CTAs of a thread-block cluster.  Partial sums go to shared memory; after
+// can the up to 8 CTAs of a thread-block cluster (forced `splits`; the automatic choice
+// uses none: measured slower).  Partial sums go to shared memory; after
 // a cluster barrier each CTA reduces a slice of the 32 x 8*NT outputs over every warp of
 // every CTA of its cluster through distributed shared memory, in a fixed order (bitwise
 // reproducible), applies the epilogue and stores.  No workspace, no second kernel.
