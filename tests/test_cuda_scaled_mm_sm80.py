@@ -1,12 +1,12 @@
 """GPU tests of the CUTLASS 2.x (SM80) kernels behind quantfuse.scaled_mm / scaled_mm_azp.
 
-Skipped without CUDA.  The SM80 kernels (mma.sync, cp.async, stream-K, 2.x epilogue visitor
+Skipped without CUDA.  The SM80 kernels (mma.sync, cp.async, 2.x epilogue visitor
 trees) also run on Hopper, so every test forces them with
 ``torch.ops.quantfuse._scaled_mm_cutlass(..., arch=80)``.  Checked against a float64
 reference (ops.py's exact product, epilogue in float64) on fresh random data: every
 epilogue x scale granularity x bias x output dtype, the M sweep on LLM-sized (N, K), every
 tile configuration on edge tiles, sliced inputs, CUDA-graph capture and replay, bitwise
-reproducibility of the stream-K reduction, and fp8 on arch 80 (a clear error from the op;
+reproducibility at long K, and fp8 on arch 80 (a clear error from the op;
 the Python dispatch sends fp8 on non-Hopper GPUs to the reference).
 """
 
@@ -167,7 +167,7 @@ def test_large_llm_shapes(M, N, K):
 @pytest.mark.parametrize("out_dtype", OUTS, ids=OUT_IDS)
 def test_every_tile_config(config, out_dtype):
     """Each tile configuration forced on shapes it would not be chosen for (edge tiles in M,
-    N and K, one K longer than the stream-K units)."""
+    N and K)."""
     for M, N, K in ((1, 64, 256), (17, 144, 272), (100, 400, 1040), (300, 528, 512), (129, 4112, 2064)):
         for zp in ZPS:
             case = Case(M, N, K, out_dtype, True, zp != "tensor", zp == "none", zp)
@@ -181,9 +181,9 @@ def test_unknown_config_is_an_error():
 
 
 @pytest.mark.parametrize("M,N,K", ((1, 128, 16384), (3, 256, 8208), (32, 6144, 4096), (200, 384, 8192)))
-def test_stream_k_reproducible(M, N, K):
-    """Few output tiles with long K: stream-K splits the k-loop of a tile over several CTAs
-    and reduces the int32 partials; two calls must agree bitwise."""
+def test_long_k_reproducible(M, N, K):
+    """Few output tiles with long K (deep multistage k-loops, int32 accumulators near 2**28);
+    two calls must agree bitwise."""
     case = Case(M, N, K, torch.float32, True, True, True, "token")
     out = case.run()
     case.check(out, f"M={M} N={N} K={K}")
@@ -215,7 +215,7 @@ def test_sliced_and_offset_inputs():
 
 @pytest.mark.parametrize("M", (16, 300))
 def test_cuda_graph_capture_and_replay(M):
-    """The stream-K workspace is allocated and cleared inside the captured region."""
+    """Captured with the per-token zero point; replayed on new activations, scales and azp."""
     N, K = 512, 1024
     case = Case(M, N, K, torch.bfloat16, True, True, True, "token")
     case.run()  # warm up outside the graph

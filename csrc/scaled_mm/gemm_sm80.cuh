@@ -1,5 +1,5 @@
 // CUTLASS 2.x SM80 GEMM assembly for the int8 W8A8 family: multistage cp.async mainloop
-// with mma.sync m16n8k32 (int8 x int8 -> int32, saturating), stream-K tile scheduling, and
+// with mma.sync m16n8k32 (int8 x int8 -> int32, saturating), data-parallel tile order, and
 // the 2.x epilogue visitor trees of epilogue_sm80.cuh.  Runs on A100-class GPUs (sm_80..89)
 // and, since mma.sync / cp.async exist on Hopper too, on an H100 when forced (arch=80).
 // Included only by the per-output-dtype .cu files.
@@ -25,63 +25,60 @@
 namespace quantfuse::sm80 {
 
 using cutlass::gemm::GemmShape;
-using StreamK = cutlass::gemm::threadblock::ThreadblockSwizzleStreamK;
 
 // ---------------------------------------------------------------------- tile configs
-// Stream-K scheduling (ThreadblockSwizzleStreamK) spreads the k-iterations of the output
-// tiles over all SMs, so the few tiles of small-M / small-N problems still load the
-// weight from every SM; full waves run data-parallel.  Shared memory per stage:
-// (TM + TN) * TK bytes.
+// Shared memory per stage: (TM + TN) * TK bytes.  Tiles run data-parallel (one CTA per output
+// tile).  Stream-K (ThreadblockSwizzleStreamK) was measured on the H100 in v1 and lost at every
+// M and N tried (e.g. 4096x4096x4096: 187 vs 162 µs; M=1: 18.9 vs 16.9 µs), and its fix-up
+// path costs a 1 KiB stack frame and 45% more compile time (benchmarks/bench_scaled_mm_sm80.py).
 //
 // 0: narrow (M <= 32): 32x64x128 tiles, 2 warps of 32x32, 6 stages (72 KiB).
-//    Decode is a weight stream: narrow N tiles, deep K tiles, many stages in flight.
+//    Decode is a weight stream: narrow N tiles (N/64 CTAs), deep K tiles, many stages in flight.
 struct ConfigNarrow {
-  using Swizzle = StreamK;
   using Tile = GemmShape<32, 64, 128>;
   using Warp = GemmShape<32, 32, 128>;
   static constexpr int kStages = 6;
 };
-// 1: medium (32 < M <= 128): 64x128x64 tiles, 4 warps of 32x64, 6 stages (72 KiB).
+// 1: medium (32 < M <= 128, and larger M while 128x128 tiles would not fill the GPU):
+//    64x128x64 tiles, 4 warps of 32x64, 6 stages (72 KiB).
 struct ConfigMedium {
-  using Swizzle = StreamK;
   using Tile = GemmShape<64, 128, 64>;
   using Warp = GemmShape<32, 64, 64>;
   static constexpr int kStages = 6;
 };
-// 2: large (M > 128): 128x128x64 tiles, 4 warps of 64x64, 5 stages (80 KiB; two CTAs per
-//    SM on an A100's 164 KiB).
+// 2: large (M > 128 with at least one 128x128 tile per SM): 128x128x64 tiles, 4 warps of
+//    64x64, 5 stages (80 KiB; two CTAs per SM on an A100's 164 KiB).
 struct ConfigLarge {
-  using Swizzle = StreamK;
   using Tile = GemmShape<128, 128, 64>;
   using Warp = GemmShape<64, 64, 64>;
   static constexpr int kStages = 5;
 };
 
-#ifdef QF_SM80_TUNING_VARIANTS
-template <class C>
-struct DataParallel : C {
-  using Swizzle = cutlass::gemm::threadblock::GemmIdentityThreadblockSwizzle<>;
-};
-struct ConfigLargeWide {
-  using Swizzle = StreamK;
-  using Tile = GemmShape<128, 256, 64>;
-  using Warp = GemmShape<64, 64, 64>;
-  static constexpr int kStages = 3;
-};
-#endif
+inline int sm_count(int device) {
+  static int counts[64] = {0};
+  if (device < 0 || device >= 64) return 108;
+  if (counts[device] == 0) {
+    int c = 0;
+    cudaDeviceGetAttribute(&c, cudaDevAttrMultiProcessorCount, device);
+    counts[device] = c > 0 ? c : 108;
+  }
+  return counts[device];
+}
 
-inline int choose_config(int64_t M, int64_t /*N: stream-K balances narrow or wide N*/) {
+// By M, and for M > 128 by N: 128x128 tiles once there are at least as many as SMs, else the
+// 64x128 ones (twice the CTAs).  H100 (132 SMs), bf16 out: M=256 N=4096 -> medium (22.9 vs
+// 27.2 µs), M=256 N=28672 -> large (87.6 vs 103.1), M=1024 N=4096 -> large (44.4 vs 57.0).
+inline int choose_config(int64_t M, int64_t N, int sms) {
   if (M <= 32) return 0;
   if (M <= 128) return 1;
-  return 2;
+  const int64_t large_tiles = ((M + 127) / 128) * ((N + 127) / 128);
+  return large_tiles >= sms ? 2 : 1;
 }
 
 template <class ElementD, template <class, class> class Epi, class Config>
 struct Sm80Gemm {
   using Tile = typename Config::Tile;
   using Warp = typename Config::Warp;
-  static constexpr bool kStreamK =
-      std::is_same_v<typename Config::Swizzle, cutlass::gemm::threadblock::ThreadblockSwizzleStreamK>;
   using Instruction = GemmShape<16, 8, 32>;
   static constexpr int kAlignAB = 16;  // int8 elements: 16-byte cp.async
   // The 2.x epilogue's thread map: accumulators leave the warps through shared memory in
@@ -97,7 +94,7 @@ struct Sm80Gemm {
       float, cutlass::layout::RowMajor, kAlignC,
       int32_t, float, cutlass::arch::OpClassTensorOp, cutlass::arch::Sm80,
       Tile, Warp, Instruction, EVT,
-      typename Config::Swizzle, Config::kStages,
+      cutlass::gemm::threadblock::GemmIdentityThreadblockSwizzle<>, Config::kStages,
       cutlass::arch::OpMultiplyAddSaturate, 1>::GemmKernel;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 
@@ -106,7 +103,6 @@ struct Sm80Gemm {
     typename Gemm::Arguments args(cutlass::gemm::GemmUniversalMode::kGemm, size, /*batch_split=*/1,
                                   Epilogue::args(p), p.a, p.b, /*ptr_C=*/nullptr, /*ptr_D=*/nullptr,
                                   /*batch strides=*/0, 0, 0, 0, p.lda, p.ldb, /*ldc=*/0, /*ldd=*/0);
-    if constexpr (kStreamK) args.avail_sms = -1;  // stream-K over all SMs
     Gemm gemm;
     if (gemm.can_implement(args) != cutlass::Status::kSuccess) return kQCannotImplement;
     size_t ws_bytes = Gemm::get_workspace_size(args);
@@ -125,17 +121,10 @@ struct Sm80Gemm {
 template <class ElementD, template <class, class> class Epi>
 int dispatch(const ScaledMmParams& p) {
   if (p.in_dtype != QDType::kInt8) return kQUnsupported;
-  switch (p.config >= 0 ? p.config : choose_config(p.M, p.N)) {
+  switch (p.config >= 0 ? p.config : choose_config(p.M, p.N, sm_count(p.device))) {
     case 0: return Sm80Gemm<ElementD, Epi, ConfigNarrow>::run(p);
     case 1: return Sm80Gemm<ElementD, Epi, ConfigMedium>::run(p);
     case 2: return Sm80Gemm<ElementD, Epi, ConfigLarge>::run(p);
-#ifdef QF_SM80_TUNING_VARIANTS
-    // Tuning experiments (benchmarks only; not built by default).
-    case 3: return Sm80Gemm<ElementD, Epi, DataParallel<ConfigNarrow>>::run(p);
-    case 4: return Sm80Gemm<ElementD, Epi, DataParallel<ConfigMedium>>::run(p);
-    case 5: return Sm80Gemm<ElementD, Epi, DataParallel<ConfigLarge>>::run(p);
-    case 6: return Sm80Gemm<ElementD, Epi, ConfigLargeWide>::run(p);
-#endif
     default: return kQUnsupported;
   }
 }

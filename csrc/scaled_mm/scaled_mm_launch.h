@@ -74,7 +74,7 @@ QF_DECLARE(sm90_i8_f32_azptok)
 #undef QF_DECLARE
 
 // SM80 (A100 class; also runs on Hopper when forced): CUTLASS 2.x mma.sync multistage
-// kernels, stream-K, 2.x EVT epilogues.  int8 inputs only.
+// kernels, 2.x EVT epilogues.  int8 inputs only.
 int scaled_mm_sm80(const ScaledMmParams& p);
 // Per-output-dtype entries: *_bias = Scaled/ScaledBias; *_azp = ScaledBiasAzp (azp null)
 // and ScaledBiasAzpToken (azp given).

@@ -170,13 +170,25 @@ at::Tensor scaled_mm_cutlass(const at::Tensor& a, const at::Tensor& b, const at:
     TORCH_CHECK(cc >= 90 && cc < 100, "_scaled_mm_cutlass: SM90 kernels need a Hopper GPU");
     status = scaled_mm_sm90(p);
   } else if (arch == 80) {
-    TORCH_CHECK(cc >= 80, "_scaled_mm_cutlass: SM80 kernels need compute capability 8.0 or later (got ",
-                props->major, ".", props->minor, ")");
-    TORCH_CHECK(p.in_dtype == QDType::kInt8, "_scaled_mm_cutlass: the SM80 kernels take int8 inputs only, got ",
-                a.scalar_type(), " (fp8 runs on the SM90 kernels, arch=90, or the reference)");
+    // Messages formatted with snprintf: streaming numbers into a TORCH_CHECK message crashed
+    // the process on the H100 machine (see scaled_mm_decode_ops.cpp).
+    char msg[200];
+    if (cc < 80) {
+      std::snprintf(msg, sizeof(msg), "_scaled_mm_cutlass: SM80 kernels need compute capability 8.0 or later "
+                    "(got %d.%d)", props->major, props->minor);
+      throw std::runtime_error(msg);
+    }
+    if (p.in_dtype != QDType::kInt8) {
+      std::snprintf(msg, sizeof(msg), "_scaled_mm_cutlass: the SM80 kernels take int8 inputs only, got %s "
+                    "(fp8 runs on the SM90 kernels, arch=90, or the reference)", c10::toString(a.scalar_type()));
+      throw std::runtime_error(msg);
+    }
     status = scaled_mm_sm80(p);
   } else {
-    TORCH_CHECK(false, "_scaled_mm_cutlass: arch must be 0, 80 or 90, got ", arch);
+    char msg[96];
+    std::snprintf(msg, sizeof(msg), "_scaled_mm_cutlass: arch must be 0, 80 or 90, got %lld",
+                  static_cast<long long>(arch));
+    throw std::runtime_error(msg);
   }
   if (status != kQOk) {
     char msg[256];
