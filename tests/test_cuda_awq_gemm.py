@@ -145,6 +145,19 @@ def test_kernel_forced_splits(splits, cluster):
         check_close(out, ref, mag, dtype, f"splits={splits} cluster={cluster} M={M} N={N} K={K} G={G}")
 
 
+def test_kernel_bad_arguments_raise():
+    """The private op's own checks raise RuntimeError naming the argument (they must not
+    crash the process: csrc/common/check.h)."""
+    gen = torch.Generator(device=DEV).manual_seed(2)
+    qw, s, qz, G, q, z = make_awq(256, 64, 64, torch.float16, gen)
+    x = make_x(1, 256, torch.float16, gen)
+    packed = awq_cuda.packed_weight(qw)
+    with pytest.raises(RuntimeError, match="splits must be 0 .automatic. or 1..8, got 9"):
+        torch.ops.quantfuse._awq_gemm_cuda(x, packed, s, qz, G, None, 0, 9)
+    with pytest.raises(RuntimeError, match="'qzeros' must be int32 of shape .4, 8."):
+        torch.ops.quantfuse._awq_gemm_cuda(x, packed, s, qz[:2], G, None)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_llama_m4096(dtype):
     run_case(4096, 4096, 4096, 128, dtype, seed=7)

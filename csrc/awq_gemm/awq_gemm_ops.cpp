@@ -11,6 +11,7 @@
 #include <optional>
 
 #include "awq_gemm/awq_gemm.h"
+#include "common/check.h"
 
 namespace {
 
@@ -19,30 +20,30 @@ using quantfuse::awq::DType;
 DType dtype_of(const at::Tensor& t, const char* name) {
   if (t.scalar_type() == at::kHalf) return DType::kHalf;
   if (t.scalar_type() == at::kBFloat16) return DType::kBFloat16;
-  TORCH_CHECK(false, "quantfuse awq: '", name, "' has dtype ", t.scalar_type(), "; expected float16 or bfloat16");
+  quantfuse::fail("quantfuse awq: '%s' has dtype %s; expected float16 or bfloat16", name, c10::toString(t.scalar_type()));
 }
 
 void check_cuda_contig(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.is_cuda(), "quantfuse awq: '", name, "' must be a CUDA tensor");
-  TORCH_CHECK(t.is_contiguous(), "quantfuse awq: '", name, "' must be contiguous");
+  QF_CHECK(t.is_cuda(), "quantfuse awq: '%s' must be a CUDA tensor", name);
+  QF_CHECK(t.is_contiguous(), "quantfuse awq: '%s' must be contiguous", name);
 }
 
 void check_aligned(const at::Tensor& t, const char* name, int bytes = 16) {
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % bytes == 0, "quantfuse awq: '", name, "' must be ", bytes,
-              "-byte aligned");
+  QF_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % bytes == 0, "quantfuse awq: '%s' must be %d-byte aligned", name,
+           bytes);
 }
 
 void check_launch(cudaError_t err, const char* what) {
-  TORCH_CHECK(err == cudaSuccess, "quantfuse awq: ", what, " launch failed: ", cudaGetErrorString(err));
+  QF_CHECK(err == cudaSuccess, "quantfuse awq: %s launch failed: %s", what, cudaGetErrorString(err));
 }
 
 // qweight [K, N/8] int32 (AWQ order) -> fragment layout, same number of int32s.
 at::Tensor awq_repack_cuda(const at::Tensor& qweight) {
   check_cuda_contig(qweight, "qweight");
-  TORCH_CHECK(qweight.scalar_type() == at::kInt && qweight.dim() == 2, "quantfuse awq: 'qweight' must be 2-D int32");
+  QF_CHECK(qweight.scalar_type() == at::kInt && qweight.dim() == 2, "quantfuse awq: 'qweight' must be 2-D int32");
   const int64_t K = qweight.size(0), N = qweight.size(1) * 8;
-  TORCH_CHECK(K % 16 == 0 && N % quantfuse::awq::kStripN == 0, "quantfuse awq repack: K % 16 and N % 64 must be 0 (K=",
-              K, ", N=", N, ")");
+  QF_CHECK(K % 16 == 0 && N % quantfuse::awq::kStripN == 0,
+           "quantfuse awq repack: K %% 16 and N %% 64 must be 0 (K=%lld, N=%lld)", (long long)K, (long long)N);
   const c10::cuda::CUDAGuard guard(qweight.device());
   at::Tensor out = at::empty({N / quantfuse::awq::kStripN, K / 16, 32, 4}, qweight.options());
   if (K > 0 && N > 0) {
@@ -57,19 +58,19 @@ at::Tensor awq_repack_cuda(const at::Tensor& qweight) {
 void check_awq_args(const at::Tensor& scales, const at::Tensor& qzeros, int64_t K, int64_t N, int64_t group_size) {
   check_cuda_contig(scales, "scales");
   check_cuda_contig(qzeros, "qzeros");
-  TORCH_CHECK(group_size > 0 && K % group_size == 0, "quantfuse awq: group_size ", group_size, " must divide K = ", K);
+  QF_CHECK(group_size > 0 && K % group_size == 0, "quantfuse awq: group_size %lld must divide K = %lld",
+           (long long)group_size, (long long)K);
   const int64_t groups = K / group_size;
-  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == groups && scales.size(1) == N, "quantfuse awq: 'scales' has shape ",
-              scales.sizes(), "; expected (", groups, ", ", N, ")");
-  TORCH_CHECK(qzeros.scalar_type() == at::kInt && qzeros.dim() == 2 && qzeros.size(0) == groups &&
-                  qzeros.size(1) == N / 8,
-              "quantfuse awq: 'qzeros' must be int32 of shape (", groups, ", ", N / 8, ")");
+  QF_CHECK(scales.dim() == 2 && scales.size(0) == groups && scales.size(1) == N,
+           "quantfuse awq: 'scales' must have shape (%lld, %lld)", (long long)groups, (long long)N);
+  QF_CHECK(qzeros.scalar_type() == at::kInt && qzeros.dim() == 2 && qzeros.size(0) == groups && qzeros.size(1) == N / 8,
+           "quantfuse awq: 'qzeros' must be int32 of shape (%lld, %lld)", (long long)groups, (long long)(N / 8));
 }
 
 at::Tensor awq_dequantize_cuda(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& qzeros,
                                int64_t group_size) {
   check_cuda_contig(qweight, "qweight");
-  TORCH_CHECK(qweight.scalar_type() == at::kInt && qweight.dim() == 2, "quantfuse awq: 'qweight' must be 2-D int32");
+  QF_CHECK(qweight.scalar_type() == at::kInt && qweight.dim() == 2, "quantfuse awq: 'qweight' must be 2-D int32");
   const int64_t K = qweight.size(0), N = qweight.size(1) * 8;
   check_awq_args(scales, qzeros, K, N, group_size);
   check_aligned(scales, "scales");
@@ -90,20 +91,22 @@ at::Tensor awq_dequantize_cuda(const at::Tensor& qweight, const at::Tensor& scal
 at::Tensor awq_gemm_cuda(const at::Tensor& x, const at::Tensor& wpacked, const at::Tensor& scales,
                          const at::Tensor& qzeros, int64_t group_size, const std::optional<at::Tensor>& bias,
                          int64_t warps, int64_t splits, bool cluster) {
-  TORCH_CHECK(warps == 0 || warps == 4 || warps == 8, "quantfuse awq_gemm: warps must be 0, 4 or 8");
-  TORCH_CHECK(splits >= 0 && splits <= 8, "quantfuse awq_gemm: splits must be 0 (automatic) or 1..8, got ", splits);
+  QF_CHECK(warps == 0 || warps == 4 || warps == 8, "quantfuse awq_gemm: warps must be 0, 4 or 8, got %lld",
+           (long long)warps);
+  QF_CHECK(splits >= 0 && splits <= 8, "quantfuse awq_gemm: splits must be 0 (automatic) or 1..8, got %lld",
+           (long long)splits);
   check_cuda_contig(x, "x");
   check_cuda_contig(wpacked, "wpacked");
-  TORCH_CHECK(x.dim() == 2, "quantfuse awq_gemm: 'x' must be 2-D [M, K]");
+  QF_CHECK(x.dim() == 2, "quantfuse awq_gemm: 'x' must be 2-D [M, K]");
   const DType dt = dtype_of(x, "x");
-  TORCH_CHECK(scales.scalar_type() == x.scalar_type(), "quantfuse awq_gemm: 'scales' dtype must match 'x'");
+  QF_CHECK(scales.scalar_type() == x.scalar_type(), "quantfuse awq_gemm: 'scales' dtype must match 'x'");
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(wpacked.scalar_type() == at::kInt && wpacked.dim() == 4 && wpacked.size(1) == K / 16 &&
-                  wpacked.size(2) == 32 && wpacked.size(3) == 4,
-              "quantfuse awq_gemm: 'wpacked' has shape ", wpacked.sizes(), "; expected (N/64, K/16, 32, 4)");
+  QF_CHECK(wpacked.scalar_type() == at::kInt && wpacked.dim() == 4 && wpacked.size(1) == K / 16 &&
+               wpacked.size(2) == 32 && wpacked.size(3) == 4,
+           "quantfuse awq_gemm: 'wpacked' must be int32 of shape (N/64, %lld, 32, 4)", (long long)(K / 16));
   const int64_t N = wpacked.size(0) * quantfuse::awq::kStripN;
-  TORCH_CHECK(K % 16 == 0 && group_size % 16 == 0, "quantfuse awq_gemm: K (", K, ") and group_size (", group_size,
-              ") must be multiples of 16");
+  QF_CHECK(K % 16 == 0 && group_size % 16 == 0, "quantfuse awq_gemm: K (%lld) and group_size (%lld) must be multiples of 16",
+           (long long)K, (long long)group_size);
   check_awq_args(scales, qzeros, K, N, group_size);
   check_aligned(x, "x", 8);
   check_aligned(wpacked, "wpacked");
@@ -112,11 +115,11 @@ at::Tensor awq_gemm_cuda(const at::Tensor& x, const at::Tensor& wpacked, const a
   const void* bias_ptr = nullptr;
   if (bias.has_value()) {
     check_cuda_contig(*bias, "bias");
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == x.scalar_type(),
+    QF_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == x.scalar_type(),
                 "quantfuse awq_gemm: 'bias' must be [N] in the dtype of 'x'");
     bias_ptr = bias->data_ptr();
   }
-  TORCH_CHECK(M * K < (int64_t(1) << 31) && K * N < (int64_t(1) << 31) && M * N < (int64_t(1) << 31),
+  QF_CHECK(M * K < (int64_t(1) << 31) && K * N < (int64_t(1) << 31) && M * N < (int64_t(1) << 31),
               "quantfuse awq_gemm: sizes too large for 32-bit indexing");
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor out = at::empty({M, N}, x.options());

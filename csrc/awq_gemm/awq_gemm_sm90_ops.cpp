@@ -16,6 +16,7 @@
 #include <tuple>
 
 #include "awq_gemm/awq_gemm_sm90.h"
+#include "common/check.h"
 
 namespace {
 
@@ -24,30 +25,31 @@ namespace qa = quantfuse::awq_sm90;
 qa::DType dtype_of(const at::Tensor& t, const char* name) {
   if (t.scalar_type() == at::kHalf) return qa::DType::kHalf;
   if (t.scalar_type() == at::kBFloat16) return qa::DType::kBFloat16;
-  TORCH_CHECK(false, "quantfuse awq_sm90: '", name, "' has dtype ", t.scalar_type(), "; expected float16 or bfloat16");
+  quantfuse::fail("quantfuse awq_sm90: '%s' has dtype %s; expected float16 or bfloat16", name,
+                  c10::toString(t.scalar_type()));
 }
 
 void check_cuda_contig(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.is_cuda(), "quantfuse awq_sm90: '", name, "' must be a CUDA tensor");
-  TORCH_CHECK(t.is_contiguous(), "quantfuse awq_sm90: '", name, "' must be contiguous");
+  QF_CHECK(t.is_cuda(), "quantfuse awq_sm90: '%s' must be a CUDA tensor", name);
+  QF_CHECK(t.is_contiguous(), "quantfuse awq_sm90: '%s' must be contiguous", name);
 }
 
 void check_aligned(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "quantfuse awq_sm90: '", name,
-              "' must be 16-byte aligned");
+  QF_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "quantfuse awq_sm90: '%s' must be 16-byte aligned",
+           name);
 }
 
 void check_shapes(int64_t K, int64_t N, int64_t group_size) {
-  TORCH_CHECK(K % qa::kTileK == 0 && N % qa::kAlignN == 0, "quantfuse awq_sm90: K (", K, ") must be a multiple of ",
-              qa::kTileK, " and N (", N, ") of ", qa::kAlignN);
-  TORCH_CHECK(group_size > 0 && K % group_size == 0 && (group_size % qa::kTileK == 0 || group_size == K),
-              "quantfuse awq_sm90: group_size ", group_size, " must divide K = ", K, " and be a multiple of ",
-              qa::kTileK, " (or equal K)");
-  TORCH_CHECK(N * K < (int64_t(1) << 31), "quantfuse awq_sm90: N * K too large for 32-bit indexing");
+  QF_CHECK(K % qa::kTileK == 0 && N % qa::kAlignN == 0, "quantfuse awq_sm90: K (%lld) must be a multiple of %d and N (%lld) of %d",
+           (long long)K, (int)qa::kTileK, (long long)N, (int)qa::kAlignN);
+  QF_CHECK(group_size > 0 && K % group_size == 0 && (group_size % qa::kTileK == 0 || group_size == K),
+           "quantfuse awq_sm90: group_size %lld must divide K = %lld and be a multiple of %d (or equal K)",
+           (long long)group_size, (long long)K, (int)qa::kTileK);
+  QF_CHECK(N * K < (int64_t(1) << 31), "quantfuse awq_sm90: N * K too large for 32-bit indexing");
 }
 
 void check_cuda(cudaError_t err, const char* what) {
-  TORCH_CHECK(err == cudaSuccess, "quantfuse awq_sm90: ", what, " failed: ", cudaGetErrorString(err));
+  QF_CHECK(err == cudaSuccess, "quantfuse awq_sm90: %s failed: %s", what, cudaGetErrorString(err));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> awq_prepare_sm90_cuda(const at::Tensor& qweight,
@@ -56,16 +58,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> awq_prepare_sm90_cuda(const at::T
   check_cuda_contig(qweight, "qweight");
   check_cuda_contig(scales, "scales");
   check_cuda_contig(qzeros, "qzeros");
-  TORCH_CHECK(qweight.scalar_type() == at::kInt && qweight.dim() == 2, "quantfuse awq_sm90: 'qweight' must be 2-D int32");
+  QF_CHECK(qweight.scalar_type() == at::kInt && qweight.dim() == 2, "quantfuse awq_sm90: 'qweight' must be 2-D int32");
   const int64_t K = qweight.size(0), N = qweight.size(1) * 8;
   check_shapes(K, N, group_size);
   const int64_t groups = K / group_size;
   const qa::DType dt = dtype_of(scales, "scales");
-  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == groups && scales.size(1) == N, "quantfuse awq_sm90: 'scales' has shape ",
-              scales.sizes(), "; expected (", groups, ", ", N, ")");
-  TORCH_CHECK(qzeros.scalar_type() == at::kInt && qzeros.dim() == 2 && qzeros.size(0) == groups &&
-                  qzeros.size(1) == N / 8,
-              "quantfuse awq_sm90: 'qzeros' must be int32 of shape (", groups, ", ", N / 8, ")");
+  QF_CHECK(scales.dim() == 2 && scales.size(0) == groups && scales.size(1) == N,
+           "quantfuse awq_sm90: 'scales' must have shape (%lld, %lld)", (long long)groups, (long long)N);
+  QF_CHECK(qzeros.scalar_type() == at::kInt && qzeros.dim() == 2 && qzeros.size(0) == groups && qzeros.size(1) == N / 8,
+           "quantfuse awq_sm90: 'qzeros' must be int32 of shape (%lld, %lld)", (long long)groups, (long long)(N / 8));
   const c10::cuda::CUDAGuard guard(qweight.device());
   auto stream = at::cuda::getCurrentCUDAStream();
   at::Tensor wq = at::empty({N, K / 2}, qweight.options().dtype(at::kByte));
@@ -96,18 +97,17 @@ at::Tensor awq_gemm_sm90_cuda(const at::Tensor& x, const at::Tensor& wq, const a
   check_cuda_contig(wq, "wq");
   check_cuda_contig(scales, "scales");
   check_cuda_contig(zeros, "zeros");
-  TORCH_CHECK(x.dim() == 2, "quantfuse awq_sm90: 'x' must be 2-D [M, K]");
+  QF_CHECK(x.dim() == 2, "quantfuse awq_sm90: 'x' must be 2-D [M, K]");
   const qa::DType dt = dtype_of(x, "x");
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(wq.scalar_type() == at::kByte && wq.dim() == 2 && wq.size(1) * 2 == K,
-              "quantfuse awq_sm90: 'wq' has shape ", wq.sizes(), " and dtype ", wq.scalar_type(),
-              "; expected uint8 (N, K/2) from _awq_prepare_sm90_cuda");
+  QF_CHECK(wq.scalar_type() == at::kByte && wq.dim() == 2 && wq.size(1) * 2 == K,
+           "quantfuse awq_sm90: 'wq' must be uint8 of shape (N, %lld) from _awq_prepare_sm90_cuda", (long long)(K / 2));
   const int64_t N = wq.size(0);
   check_shapes(K, N, group_size);
   const int64_t groups = K / group_size;
   for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{scales, "scales"}, {zeros, "zeros"}}) {
-    TORCH_CHECK(t.scalar_type() == x.scalar_type() && t.dim() == 2 && t.size(0) == groups && t.size(1) == N,
-                "quantfuse awq_sm90: '", name, "' must be (", groups, ", ", N, ") in the dtype of 'x'");
+    QF_CHECK(t.scalar_type() == x.scalar_type() && t.dim() == 2 && t.size(0) == groups && t.size(1) == N,
+             "quantfuse awq_sm90: '%s' must be (%lld, %lld) in the dtype of 'x'", name, (long long)groups, (long long)N);
     check_aligned(t, name);
   }
   check_aligned(x, "x");
@@ -115,13 +115,13 @@ at::Tensor awq_gemm_sm90_cuda(const at::Tensor& x, const at::Tensor& wq, const a
   const void* bias_ptr = nullptr;
   if (bias.has_value()) {
     check_cuda_contig(*bias, "bias");
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == x.scalar_type(),
+    QF_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == x.scalar_type(),
                 "quantfuse awq_sm90: 'bias' must be [N] in the dtype of 'x'");
     bias_ptr = bias->data_ptr();
   }
-  TORCH_CHECK(M * K < (int64_t(1) << 31) && M * N < (int64_t(1) << 31),
+  QF_CHECK(M * K < (int64_t(1) << 31) && M * N < (int64_t(1) << 31),
               "quantfuse awq_sm90: sizes too large for 32-bit indexing");
-  TORCH_CHECK(config >= -1 && config <= 3, "quantfuse awq_sm90: config must be -1 (auto) or 0..3");
+  QF_CHECK(config >= -1 && config <= 3, "quantfuse awq_sm90: config must be -1 (auto) or 0..3");
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
@@ -143,8 +143,8 @@ at::Tensor awq_gemm_sm90_cuda(const at::Tensor& x, const at::Tensor& wq, const a
   p.alloc = &alloc_workspace;
   p.alloc_ctx = &workspace;
   const int status = dt == qa::DType::kHalf ? qa::gemm_f16(p) : qa::gemm_bf16(p);
-  TORCH_CHECK(status == qa::kOk, "quantfuse awq_sm90: GEMM failed (status ", status, ", config ", config, ", M=", M,
-              ", N=", N, ", K=", K, ", group_size=", group_size, ")");
+  QF_CHECK(status == qa::kOk, "quantfuse awq_sm90: GEMM failed (status %d, config %lld, M=%lld, N=%lld, K=%lld, group_size=%lld)",
+           (int)status, (long long)config, (long long)M, (long long)N, (long long)K, (long long)group_size);
   return out;
 }
 
