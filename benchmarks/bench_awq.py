@@ -1,6 +1,6 @@
 """AWQ W4A16 GEMM benchmark: quantfuse against what a user runs instead, in one run.
 
-For (N, K) in the four Llama layer shapes and M in {1, 16, 64, 256, 1024, 4096}:
+For (N, K) in the four Llama layer shapes and M in {1, 16, 32, 64, 128, 256, 1024, 4096}:
 
 * ours            torch.ops.quantfuse.awq_gemm (dispatch: fused kernel for small M,
                   dequantize kernel + cuBLAS above the crossover)
@@ -40,7 +40,7 @@ from compile_backend.cuda import awq_gemm as awq_cuda  # noqa: E402
 from compile_backend.quantize import AWQLinear, awq_pack  # noqa: E402
 
 SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
-MS = (1, 16, 64, 128, 256, 1024, 4096)
+MS = (1, 16, 32, 64, 128, 256, 1024, 4096)
 G = 128
 L2_BYTES = 50 * 2**20
 DEV = "cuda"

@@ -1,5 +1,9 @@
 """CUDA dispatch for quantfuse.scaled_mm and quantfuse.scaled_mm_azp (csrc/scaled_mm/,
-csrc/scaled_mm_azp/): CUTLASS 3.x SM90 kernels with epilogue visitor trees.
+csrc/scaled_mm_azp/): CUTLASS 3.x SM90 kernels (int8, fp8) on Hopper and CUTLASS 2.x
+SM80 kernels (int8) on other sm_80+ GPUs, all with epilogue visitor trees.  The
+hand-written weight-streaming decode kernel (``_scaled_mm_decode_cuda``) measured slower
+than the CUTLASS decode tile on the H100 (benchmarks/notes_scaled_mm_decode.md), so no M
+is routed to it (``DECODE_MAX_M = 0``); it stays, tested, for the next attempt.
 
 ``supports`` returns None when the kernel can take the inputs, else the reason it
 cannot (``kernels.try_cuda`` then logs it and runs the reference).  It never raises:

@@ -9,7 +9,6 @@
 #include <torch/all.h>
 #include <torch/library.h>
 
-#include <cstdarg>
 #include <cstdint>
 #include <cstdio>
 #include <optional>
@@ -17,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "common/check.h"
 #include "scaled_mm/scaled_mm_decode.h"
 
 namespace {
@@ -26,18 +26,8 @@ using quantfuse::QEpilogue;
 using quantfuse::ScaledMmParams;
 namespace qd = quantfuse::decode;
 
-// Errors are formatted with snprintf and thrown as std::runtime_error (RuntimeError in
-// Python): streaming values into an error message inside the extension crashed the
-// process on the H100 machine (torch's iostream-based formatting, see notes_scaled_mm.md).
-[[noreturn]] void fail(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
-void fail(const char* fmt, ...) {
-  char buf[512];
-  va_list ap;
-  va_start(ap, fmt);
-  std::vsnprintf(buf, sizeof(buf), fmt, ap);
-  va_end(ap);
-  throw std::runtime_error(std::string("_scaled_mm_decode_cuda: ") + buf);
-}
+// Argument errors: quantfuse::fail / QF_CHECK (common/check.h), never TORCH_CHECK with values.
+#define DECODE_FAIL(...) ::quantfuse::fail("_scaled_mm_decode_cuda: " __VA_ARGS__)
 
 QDType to_qdtype(at::ScalarType t) {
   switch (t) {
@@ -46,7 +36,7 @@ QDType to_qdtype(at::ScalarType t) {
     case at::kHalf: return QDType::kF16;
     case at::kBFloat16: return QDType::kBF16;
     case at::kFloat: return QDType::kF32;
-    default: fail("unsupported dtype %s", c10::toString(t));
+    default: DECODE_FAIL("unsupported dtype %s", c10::toString(t));
   }
 }
 
@@ -55,47 +45,47 @@ long long ll(int64_t v) { return static_cast<long long>(v); }
 
 void check_vec(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t n1, int64_t n2,
                const at::Tensor& a) {
-  if (t.device() != a.device()) fail("%s must be on the device of a", name);
+  if (t.device() != a.device()) DECODE_FAIL("%s must be on the device of a", name);
   if (t.scalar_type() != dtype || !t.is_contiguous())
-    fail("%s must be a contiguous %s tensor (got %s)", name, c10::toString(dtype), c10::toString(t.scalar_type()));
+    DECODE_FAIL("%s must be a contiguous %s tensor (got %s)", name, c10::toString(dtype), c10::toString(t.scalar_type()));
   if (t.numel() != n1 && t.numel() != n2)
-    fail("%s has %lld elements, expected %lld or %lld", name, ll(t.numel()), ll(n1), ll(n2));
+    DECODE_FAIL("%s has %lld elements, expected %lld or %lld", name, ll(t.numel()), ll(n1), ll(n2));
 }
 
 at::Tensor decode(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a, const at::Tensor& scale_b,
                   at::ScalarType out_dtype, const std::optional<at::Tensor>& bias,
                   const std::optional<at::Tensor>& azp_adj, const std::optional<at::Tensor>& azp, int64_t splits,
                   int64_t warps, int64_t stages) {
-  if (!a.is_cuda() || !b.is_cuda() || a.device() != b.device()) fail("a and b must be on one CUDA device");
+  if (!a.is_cuda() || !b.is_cuda() || a.device() != b.device()) DECODE_FAIL("a and b must be on one CUDA device");
   if (a.dim() != 2 || b.dim() != 2 || a.size(1) != b.size(0))
-    fail("a (%lld-D) and b (%lld-D) are not [M, K] x [K, N]", ll(a.dim()), ll(b.dim()));
+    DECODE_FAIL("a (%lld-D) and b (%lld-D) are not [M, K] x [K, N]", ll(a.dim()), ll(b.dim()));
   if (a.scalar_type() != b.scalar_type() ||
       (a.scalar_type() != at::kChar && a.scalar_type() != at::kFloat8_e4m3fn))
-    fail("a and b must both be int8 or float8_e4m3fn (got %s, %s)", c10::toString(a.scalar_type()),
+    DECODE_FAIL("a and b must both be int8 or float8_e4m3fn (got %s, %s)", c10::toString(a.scalar_type()),
          c10::toString(b.scalar_type()));
   const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
-  if (M > qd::kMaxM) fail("M = %lld > %d", ll(M), qd::kMaxM);
+  if (M > qd::kMaxM) DECODE_FAIL("M = %lld > %d", ll(M), qd::kMaxM);
   if (K % 16 != 0 || K >= (int64_t(1) << 30) || N >= (int64_t(1) << 30))
-    fail("K = %lld must be a multiple of 16 (and K, N < 2^30)", ll(K));
+    DECODE_FAIL("K = %lld must be a multiple of 16 (and K, N < 2^30)", ll(K));
   if (a.stride(1) != 1 || (M > 1 && a.stride(0) % 16 != 0) || !aligned16(a.data_ptr()))
-    fail("a (strides %lld, %lld) must be row-major with 16-byte aligned rows", ll(a.stride(0)), ll(a.stride(1)));
+    DECODE_FAIL("a (strides %lld, %lld) must be row-major with 16-byte aligned rows", ll(a.stride(0)), ll(a.stride(1)));
   if (b.stride(0) != 1 || (N > 1 && b.stride(1) % 16 != 0) || !aligned16(b.data_ptr()))
-    fail("b (strides %lld, %lld) must be column-major (an [N, K] weight transposed) with 16-byte aligned rows",
+    DECODE_FAIL("b (strides %lld, %lld) must be column-major (an [N, K] weight transposed) with 16-byte aligned rows",
          ll(b.stride(0)), ll(b.stride(1)));
   check_vec(scale_a, "scale_a", at::kFloat, 1, M, a);
   check_vec(scale_b, "scale_b", at::kFloat, 1, N, a);
   if (out_dtype != at::kHalf && out_dtype != at::kBFloat16 && out_dtype != at::kFloat)
-    fail("out_dtype must be float16, bfloat16 or float32");
+    DECODE_FAIL("out_dtype must be float16, bfloat16 or float32");
 
   const c10::cuda::CUDAGuard guard(a.device());
   const auto* props = at::cuda::getCurrentDeviceProperties();
   const int cc = props->major * 10 + props->minor;
   const bool fp8 = a.scalar_type() == at::kFloat8_e4m3fn;
-  if (cc < (fp8 ? 89 : 80)) fail("%s (this GPU: sm_%d)", fp8 ? "fp8 needs sm_89+" : "int8 needs sm_80+", cc);
+  if (cc < (fp8 ? 89 : 80)) DECODE_FAIL("%s (this GPU: sm_%d)", fp8 ? "fp8 needs sm_89+" : "int8 needs sm_80+", cc);
 
   at::Tensor out = at::empty({M, N}, a.options().dtype(out_dtype));
   if (M == 0 || N == 0) return out;
-  if (K == 0) fail("K = 0 is not supported");
+  if (K == 0) DECODE_FAIL("K = 0 is not supported");
 
   ScaledMmParams p;
   p.a = a.data_ptr();
@@ -119,7 +109,7 @@ at::Tensor decode(const at::Tensor& a, const at::Tensor& b, const at::Tensor& sc
     p.bias = bias->data_ptr();
   }
   if (azp_adj.has_value()) {
-    if (fp8) fail("zero points apply to int8 activations only");
+    if (fp8) DECODE_FAIL("zero points apply to int8 activations only");
     check_vec(*azp_adj, "azp_adj", at::kInt, N, N, a);
     p.azp_adj = azp_adj->data_ptr<int32_t>();
     p.epilogue = QEpilogue::kAzp;
@@ -129,7 +119,7 @@ at::Tensor decode(const at::Tensor& a, const at::Tensor& b, const at::Tensor& sc
       p.epilogue = QEpilogue::kAzpToken;
     }
   } else if (azp.has_value()) {
-    fail("azp given without azp_adj");
+    DECODE_FAIL("azp given without azp_adj");
   }
   p.device = a.get_device();
   p.stream = at::cuda::getCurrentCUDAStream(a.get_device()).stream();
@@ -139,7 +129,7 @@ at::Tensor decode(const at::Tensor& a, const at::Tensor& b, const at::Tensor& sc
   int cuda_error = 0;
   const int status = fp8 ? qd::launch_fp8(p, config, &cuda_error) : qd::launch_i8(p, config, &cuda_error);
   if (status != quantfuse::kQOk)
-    fail("M=%lld N=%lld K=%lld, splits %d, warps %d, stages %d: %s", ll(M), ll(N), ll(K), config.splits, config.warps,
+    DECODE_FAIL("M=%lld N=%lld K=%lld, splits %d, warps %d, stages %d: %s", ll(M), ll(N), ll(K), config.splits, config.warps,
          config.stages,
          status == quantfuse::kQLaunchFailed ? cudaGetErrorString(static_cast<cudaError_t>(cuda_error))
                                              : "no kernel for this combination");

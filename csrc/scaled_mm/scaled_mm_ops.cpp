@@ -12,6 +12,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "common/check.h"
 #include "scaled_mm/scaled_mm_launch.h"
 
 namespace quantfuse {
@@ -85,7 +86,7 @@ QDType to_qdtype(at::ScalarType t) {
     case at::kHalf: return QDType::kF16;
     case at::kBFloat16: return QDType::kBF16;
     case at::kFloat: return QDType::kF32;
-    default: TORCH_CHECK(false, "quantfuse._scaled_mm_cutlass: unsupported dtype ", t);
+    default: quantfuse::fail("quantfuse._scaled_mm_cutlass: unsupported dtype %s", c10::toString(t));
   }
 }
 
@@ -104,17 +105,17 @@ at::Tensor scaled_mm_cutlass(const at::Tensor& a, const at::Tensor& b, const at:
                              const std::optional<at::Tensor>& bias,
                              const std::optional<at::Tensor>& azp_adj,
                              const std::optional<at::Tensor>& azp, int64_t arch, int64_t config) {
-  TORCH_CHECK(a.is_cuda() && b.is_cuda(), "_scaled_mm_cutlass: CUDA tensors expected");
-  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(0), "_scaled_mm_cutlass: bad shapes");
-  TORCH_CHECK(a.scalar_type() == b.scalar_type(), "_scaled_mm_cutlass: a and b dtypes differ");
-  TORCH_CHECK(a.stride(1) == 1 && b.stride(0) == 1,
+  QF_CHECK(a.is_cuda() && b.is_cuda(), "_scaled_mm_cutlass: CUDA tensors expected");
+  QF_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(0), "_scaled_mm_cutlass: bad shapes");
+  QF_CHECK(a.scalar_type() == b.scalar_type(), "_scaled_mm_cutlass: a and b dtypes differ");
+  QF_CHECK(a.stride(1) == 1 && b.stride(0) == 1,
               "_scaled_mm_cutlass: a must be row-major and b column-major");
-  TORCH_CHECK(scale_a.scalar_type() == at::kFloat && scale_b.scalar_type() == at::kFloat &&
+  QF_CHECK(scale_a.scalar_type() == at::kFloat && scale_b.scalar_type() == at::kFloat &&
                   scale_a.is_contiguous() && scale_b.is_contiguous(),
               "_scaled_mm_cutlass: contiguous float32 scales expected");
   const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
-  TORCH_CHECK(scale_a.numel() == 1 || scale_a.numel() == M, "_scaled_mm_cutlass: scale_a size");
-  TORCH_CHECK(scale_b.numel() == 1 || scale_b.numel() == N, "_scaled_mm_cutlass: scale_b size");
+  QF_CHECK(scale_a.numel() == 1 || scale_a.numel() == M, "_scaled_mm_cutlass: scale_a size");
+  QF_CHECK(scale_b.numel() == 1 || scale_b.numel() == N, "_scaled_mm_cutlass: scale_b size");
   c10::cuda::CUDAGuard guard(a.device());
   at::Tensor out = at::empty({M, N}, a.options().dtype(out_dtype));
   if (M == 0 || N == 0) return out;
@@ -134,7 +135,7 @@ at::Tensor scaled_mm_cutlass(const at::Tensor& a, const at::Tensor& b, const at:
   p.scale_b = scale_b.data_ptr<float>();
   p.scale_b_per_channel = scale_b.numel() != 1;
   if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == out_dtype && bias->numel() == N && bias->is_contiguous(),
+    QF_CHECK(bias->scalar_type() == out_dtype && bias->numel() == N && bias->is_contiguous(),
                 "_scaled_mm_cutlass: bias must be a contiguous [N] tensor in out_dtype");
     p.bias = bias->data_ptr();
   }
@@ -142,18 +143,18 @@ at::Tensor scaled_mm_cutlass(const at::Tensor& a, const at::Tensor& b, const at:
   p.out_dtype = to_qdtype(out_dtype);
   p.epilogue = bias.has_value() ? QEpilogue::kScaledBias : QEpilogue::kScaled;
   if (azp_adj.has_value()) {
-    TORCH_CHECK(azp_adj->scalar_type() == at::kInt && azp_adj->numel() == N && azp_adj->is_contiguous(),
+    QF_CHECK(azp_adj->scalar_type() == at::kInt && azp_adj->numel() == N && azp_adj->is_contiguous(),
                 "_scaled_mm_cutlass: azp_adj must be contiguous int32 [N]");
     p.azp_adj = azp_adj->data_ptr<int32_t>();
     p.epilogue = QEpilogue::kAzp;
     if (azp.has_value()) {
-      TORCH_CHECK(azp->scalar_type() == at::kInt && azp->numel() == M && azp->is_contiguous(),
+      QF_CHECK(azp->scalar_type() == at::kInt && azp->numel() == M && azp->is_contiguous(),
                   "_scaled_mm_cutlass: azp must be contiguous int32 [M]");
       p.azp = azp->data_ptr<int32_t>();
       p.epilogue = QEpilogue::kAzpToken;
     }
   } else {
-    TORCH_CHECK(!azp.has_value(), "_scaled_mm_cutlass: azp given without azp_adj");
+    QF_CHECK(!azp.has_value(), "_scaled_mm_cutlass: azp given without azp_adj");
   }
   p.config = static_cast<int>(config);
   p.device = a.get_device();
@@ -167,36 +168,21 @@ at::Tensor scaled_mm_cutlass(const at::Tensor& a, const at::Tensor& b, const at:
   if (arch == 0) arch = cc >= 90 && cc < 100 ? 90 : 80;
   int status = kQUnsupported;
   if (arch == 90) {
-    TORCH_CHECK(cc >= 90 && cc < 100, "_scaled_mm_cutlass: SM90 kernels need a Hopper GPU");
+    QF_CHECK(cc >= 90 && cc < 100, "_scaled_mm_cutlass: SM90 kernels need a Hopper GPU");
     status = scaled_mm_sm90(p);
   } else if (arch == 80) {
-    // Messages formatted with snprintf: streaming numbers into a TORCH_CHECK message crashed
-    // the process on the H100 machine (see scaled_mm_decode_ops.cpp).
-    char msg[200];
-    if (cc < 80) {
-      std::snprintf(msg, sizeof(msg), "_scaled_mm_cutlass: SM80 kernels need compute capability 8.0 or later "
-                    "(got %d.%d)", props->major, props->minor);
-      throw std::runtime_error(msg);
-    }
-    if (p.in_dtype != QDType::kInt8) {
-      std::snprintf(msg, sizeof(msg), "_scaled_mm_cutlass: the SM80 kernels take int8 inputs only, got %s "
-                    "(fp8 runs on the SM90 kernels, arch=90, or the reference)", c10::toString(a.scalar_type()));
-      throw std::runtime_error(msg);
-    }
+    QF_CHECK(cc >= 80, "_scaled_mm_cutlass: SM80 kernels need compute capability 8.0 or later (got %d.%d)",
+             props->major, props->minor);
+    QF_CHECK(p.in_dtype == QDType::kInt8,
+             "_scaled_mm_cutlass: the SM80 kernels take int8 inputs only, got %s (fp8 runs on the SM90 kernels, "
+             "arch=90, or the reference)", c10::toString(a.scalar_type()));
     status = scaled_mm_sm80(p);
   } else {
-    char msg[96];
-    std::snprintf(msg, sizeof(msg), "_scaled_mm_cutlass: arch must be 0, 80 or 90, got %lld",
-                  static_cast<long long>(arch));
-    throw std::runtime_error(msg);
+    quantfuse::fail("_scaled_mm_cutlass: arch must be 0, 80 or 90, got %lld", static_cast<long long>(arch));
   }
-  if (status != kQOk) {
-    char msg[256];
-    std::snprintf(msg, sizeof(msg), "_scaled_mm_cutlass (arch %d, config %d, M=%lld N=%lld K=%lld): %s",
-                  static_cast<int>(arch), static_cast<int>(config), static_cast<long long>(M),
-                  static_cast<long long>(N), static_cast<long long>(K), status_string(status));
-    throw std::runtime_error(msg);
-  }
+  QF_CHECK(status == kQOk, "_scaled_mm_cutlass (arch %d, config %d, M=%lld N=%lld K=%lld): %s", static_cast<int>(arch),
+           static_cast<int>(config), static_cast<long long>(M), static_cast<long long>(N), static_cast<long long>(K),
+           status_string(status));
   return out;
 }
 
