@@ -2,9 +2,9 @@
 
 For (N, K) in the four Llama layer shapes and M in {1, 16, 32, 64, 128, 256, 1024, 4096}:
 
-* ours            torch.ops.quantfuse.awq_gemm (dispatch: fused kernel for small M,
-                  dequantize kernel + cuBLAS above the crossover)
-* ours_kernel     the fused kernel alone (any M; to find the crossover)
+* ours            torch.ops.quantfuse.awq_gemm (dispatch: the streaming kernel for small M,
+                  the SM90 mixed-input kernel above the crossover)
+* ours_kernel     the streaming kernel alone (M <= 1024; to find the crossover)
 * ours_dq_cublas  our dequantize kernel + cuBLAS alone
 * cublas_fp16     fp16 cuBLAS on the dequantized weight, ``x @ w.t()``
 * tinygemm        torch._weight_int4pack_mm (bf16, group 128)
