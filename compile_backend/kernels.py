@@ -46,6 +46,28 @@ _lock = threading.Lock()
 _state = {"status": "unloaded", "error": None}
 
 
+_capabilities: dict[int, tuple[int, int]] = {}
+
+
+def capability(device: torch.device) -> tuple[int, int]:
+    """The CUDA device's compute capability, cached (the dispatch asks on every call)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    cap = _capabilities.get(index)
+    if cap is None:
+        cap = _capabilities[index] = torch.cuda.get_device_capability(index)
+    return cap
+
+
+_ops_present: dict[str, bool] = {}
+
+
+def op_built(name: str) -> bool:
+    """Whether the loaded extension registered ``quantfuse.<name>`` (cached once it has)."""
+    if not _ops_present.get(name):
+        _ops_present[name] = hasattr(torch.ops.quantfuse, name)
+    return _ops_present[name]
+
+
 def register(op_name: str, supports, launch) -> None:
     """Make ``launch`` the CUDA path of ``quantfuse.<op_name>`` where ``supports`` allows."""
     _families[op_name] = KernelFamily(supports, launch)

@@ -42,16 +42,14 @@ log = logging.getLogger(__name__)
 
 
 def _common_reason(qweight, scales, qzeros, group_size) -> str | None:
-    from ..ops import _check_awq
-
-    _check_awq("awq_gemm", qweight, scales, qzeros, group_size)  # malformed input raises
+    """Why the kernels cannot take well-formed AWQ tensors (None if they can)."""
     if not (qweight.is_cuda and scales.is_cuda and qzeros.is_cuda):
         return "tensors are not all on a CUDA device"
     if len({qweight.device, scales.device, qzeros.device}) != 1:
         return "tensors are on different devices"
     if scales.dtype not in _ACT_DTYPES:
         return f"dtype {scales.dtype} (kernels take float16/bfloat16)"
-    if torch.cuda.get_device_capability(qweight.device) < (8, 0):
+    if kernels.capability(qweight.device) < (8, 0):
         return "GPU older than sm_80 (no bf16 mma.sync)"
     return None
 
@@ -81,6 +79,9 @@ def supports_gemm(x, qweight, scales, qzeros, group_size, bias=None) -> str | No
 
 
 def supports_dequantize(qweight, scales, qzeros, group_size) -> str | None:
+    from ..ops import _check_awq
+
+    _check_awq("awq_dequantize", qweight, scales, qzeros, group_size)  # malformed input raises
     reason = _common_reason(qweight, scales, qzeros, group_size)
     if reason is not None:
         return reason
@@ -135,10 +136,11 @@ def clear_cache() -> None:
 
 
 def prefill_reason(x, qweight, scales, qzeros, group_size, bias=None) -> str | None:
-    """None when the SM90 prefill kernel takes these inputs and is built, else why not."""
-    if not hasattr(torch.ops.quantfuse, "_awq_gemm_sm90_cuda"):
+    """None when the SM90 prefill kernel takes these (already checked) inputs and is
+    built, else why not."""
+    if not kernels.op_built("_awq_gemm_sm90_cuda"):
         return "not built (csrc/awq_gemm/awq_gemm_sm90*)"
-    return awq_gemm_sm90.supports_prefill(x, qweight, scales, qzeros, group_size, bias)
+    return awq_gemm_sm90.supports_prefill(x, qweight, scales, qzeros, group_size, bias, checked=True)
 
 
 def launch_gemm(x, qweight, scales, qzeros, group_size, bias=None):

@@ -31,12 +31,17 @@ ALIGN_N = 128  # N % 128 == 0 (csrc: kAlignN)
 _ACT_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def supports_prefill(x, qweight, scales, qzeros, group_size, bias=None) -> str | None:
+def supports_prefill(x, qweight, scales, qzeros, group_size, bias=None, checked: bool = False) -> str | None:
     """None if the SM90 prefill kernel takes these inputs, else why not (then the caller
-    runs another path).  Malformed inputs raise (the op's own checks)."""
+    runs another path).  Malformed inputs raise (the op's own checks), unless ``checked``
+    says the caller has run them already."""
+    from .. import kernels
     from ..ops import _check_awq
 
-    K, N = _check_awq("awq_gemm", qweight, scales, qzeros, group_size, x, bias)
+    if checked:
+        K, N = qweight.shape[0], qweight.shape[1] * 8
+    else:
+        K, N = _check_awq("awq_gemm", qweight, scales, qzeros, group_size, x, bias)
     tensors = [x, qweight, scales, qzeros] + ([bias] if bias is not None else [])
     if not all(t.is_cuda for t in tensors):
         return "tensors are not all on a CUDA device"
@@ -44,7 +49,7 @@ def supports_prefill(x, qweight, scales, qzeros, group_size, bias=None) -> str |
         return "tensors are on different devices"
     if x.dtype not in _ACT_DTYPES:
         return f"dtype {x.dtype} (the kernel takes float16/bfloat16)"
-    if torch.cuda.get_device_capability(x.device) != (9, 0):
+    if kernels.capability(x.device) != (9, 0):
         return "not an sm_90 GPU (the kernel uses sm_90a wgmma/TMA)"
     if K % TILE_K != 0:
         return f"K = {K} is not a multiple of {TILE_K}"

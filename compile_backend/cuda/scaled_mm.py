@@ -20,15 +20,7 @@ from .. import kernels
 
 _INPUT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 _OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_capability_cache: dict[int, tuple[int, int]] = {}
-
-
-def _capability(device: torch.device) -> tuple[int, int]:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    cap = _capability_cache.get(index)
-    if cap is None:
-        cap = _capability_cache[index] = torch.cuda.get_device_capability(index)
-    return cap
+_capability = kernels.capability
 
 
 def _aligned(t: torch.Tensor, nbytes: int = 16) -> bool:
@@ -97,7 +89,6 @@ def supports_azp(a, b, scale_a, scale_b, out_dtype, azp_adj, azp=None, bias=None
 # H100 it is still 1.15-1.35x slower than the CUTLASS swapped decode config at M = 1 and 16
 # on every LLM shape measured (benchmarks/notes_scaled_mm_decode.md); set to 16 to route.
 DECODE_MAX_M = 0
-_decode_op_built: list[bool] = []
 
 
 def _decode_reason(a, b) -> str | None:
@@ -106,9 +97,7 @@ def _decode_reason(a, b) -> str | None:
     N = b.shape[1]
     if M > DECODE_MAX_M:
         return f"M={M} > DECODE_MAX_M={DECODE_MAX_M}"
-    if not _decode_op_built:
-        _decode_op_built.append(hasattr(torch.ops.quantfuse, "_scaled_mm_decode_cuda"))
-    if not _decode_op_built[0]:
+    if not kernels.op_built("_scaled_mm_decode_cuda"):
         return "decode kernel not built"
     if K % 16:
         return f"K={K} not a multiple of 16"
