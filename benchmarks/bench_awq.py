@@ -182,7 +182,7 @@ def main():
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "kernel_max_m": awq_cuda.KERNEL_MAX_M,
+        "decode_max_m": awq_cuda.DECODE_MAX_M,
         "group_size": G,
         "dtype": "float16 (tinygemm: bfloat16)",
     }
@@ -218,7 +218,8 @@ def sanitize():
 
 def render(meta, rows):
     out = [f"GPU: {meta['gpu']}; torch {meta['torch']}; {meta['date']}; fp16, group {meta['group_size']}; "
-           f"fused kernel for M <= {meta['kernel_max_m']}. Times in µs (CUDA-graph replays, median); "
+           f"streaming kernel for M <= {meta['decode_max_m']}, SM90 mixed-input kernel above. "
+           "Times in µs (CUDA-graph replays, median); "
            "TB/s = int4 weight+scales+zeros bytes / time.\n"]
     for (N, K) in sorted({(r["N"], r["K"]) for r in rows}, key=lambda t: (t[0] * t[1])):
         out.append(f"\n### N={N}, K={K} (int4 weight+scales+zeros {weight_bytes(N, K) / 1e6:.1f} MB)\n")
