@@ -21,7 +21,6 @@ namespace quantfuse {
 namespace awq {
 namespace {
 
-constexpr int kDefaultWarps = 4;  // warps per block of the GEMM kernel (4 or 8)
 
 // Logical column 8c+i of a packed int32 sits at nibble kOrder(i) = [0,4,1,5,2,6,3,7][i].
 __host__ __device__ __forceinline__ int awq_order(int i) { return (i >> 1) + 4 * (i & 1); }
@@ -453,7 +452,15 @@ int occupancy_of() {
 
 // Token tiles of 8 per block: 1, 2 or 4 (M > 32 runs several token blocks).
 int nt_for(int M) { return M <= 8 ? 1 : (M <= 16 ? 2 : 4); }
-int warps_for(int warps) { return warps == 8 ? 8 : (warps == 4 ? 4 : kDefaultWarps); }
+// Warps per block: as asked (4 or 8), else chosen.  One token tile, or several token blocks:
+// 4 (more resident blocks to stream with).  9 <= M <= 32 (168-255 registers, 1-3 blocks per
+// SM): 8, unless the strips alone already give two blocks per SM.  Measured on the H100
+// (notes_awq.md; 4096 x 14336, M = 32: 33 µs with 8 warps against 46 with 4).
+int warps_for(int warps, int M, int N, int device) {
+  if (warps == 4 || warps == 8) return warps;
+  if (nt_for(M) == 1 || M > 32) return 4;
+  return N / kStripN >= 2 * sm_count(device) ? 4 : 8;
+}
 
 template <typename T, int W>
 int occupancy(int nt) {
@@ -463,15 +470,17 @@ int occupancy(int nt) {
 
 // Memory-bound: one wave of resident blocks, each streaming a contiguous K range.  K is split
 // over blocks (a power of two, at most kMaxCluster) while the blocks fill at most 3/4 of the
-// GPU's block slots and each warp keeps at least 8 k-steps: on the H100, more and shorter
-// splits measured slower (cluster scheduling, per-warp pipeline fill; benchmarks/notes_awq.md).
+// GPU's block slots (all of them for 8-warp blocks, of which 1-2 fit per SM) and each warp
+// keeps at least 8 k-steps: on the H100, more and shorter splits measured slower (cluster
+// scheduling, per-warp pipeline fill; benchmarks/notes_awq.md).
 template <typename T>
 int splits_for(int M, int N, int K, int device, int warps) {
-  const int W = warps_for(warps);
+  const int W = warps_for(warps, M, N, device);
   const int nt = nt_for(M);
   const int occ = W == 8 ? occupancy<T, 8>(nt) : occupancy<T, 4>(nt);
   const int blocks = (N / kStripN) * ((M + 8 * nt - 1) / (8 * nt));
-  const int budget = sm_count(device) * occ * 3 / 4;
+  const int slots = sm_count(device) * occ;
+  const int budget = W == 8 ? slots : slots * 3 / 4;
   const int steps = K / 16;
   int s = 1;
   while (s * 2 <= kMaxCluster && blocks * s * 2 <= budget && steps / (s * 2 * W) >= 8) s *= 2;
@@ -529,8 +538,8 @@ cudaError_t gemm_warps(const void* x, const uint32_t* wp, const void* scales, co
 template <typename T>
 cudaError_t gemm_dtype(const void* x, const uint32_t* wp, const void* scales, const uint32_t* qzeros,
                        const void* bias, void* out, float* partial, int M, int N, int K, int group_size, int splits,
-                       int warps, bool cluster, cudaStream_t stream) {
-  if (warps_for(warps) == 8)
+                       int warps, bool cluster, int device, cudaStream_t stream) {
+  if (warps_for(warps, M, N, device) == 8)
     return gemm_warps<T, 8>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, stream);
   return gemm_warps<T, 4>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, stream);
 }
@@ -581,9 +590,9 @@ cudaError_t launch_gemm(DType dtype, const void* x, const uint32_t* wpacked, con
   if (splits > 1 && !cluster && partial == nullptr) return cudaErrorInvalidValue;
   if (dtype == DType::kHalf)
     return gemm_dtype<__half>(x, wpacked, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, warps,
-                              cluster, stream);
+                              cluster, device, stream);
   return gemm_dtype<__nv_bfloat16>(x, wpacked, scales, qzeros, bias, out, partial, M, N, K, group_size, splits,
-                                   warps, cluster, stream);
+                                   warps, cluster, device, stream);
 }
 
 }  // namespace awq
