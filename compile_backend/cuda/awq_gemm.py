@@ -147,14 +147,15 @@ def launch_gemm(x, qweight, scales, qzeros, group_size, bias=None):
     M, N = x.shape[0], qweight.shape[1] * 8
     if M == 0:
         return x.new_empty((0, N))
-    x = x.contiguous()
-    scales, qzeros = scales.contiguous(), qzeros.contiguous()
-    bias = None if bias is None else bias.contiguous()
     if M > DECODE_MAX_M:
+        # The caller's own tensors: the prefill kernel's prepared-weight cache is keyed by them.
         reason = prefill_reason(x, qweight, scales, qzeros, group_size, bias)
         if reason is None:
             return awq_gemm_sm90.launch_prefill(x, qweight, scales, qzeros, group_size, bias)
         log.debug("quantfuse awq_gemm: M = %d, SM90 prefill kernel not used: %s", M, reason)
+    x = x.contiguous()
+    scales, qzeros = scales.contiguous(), qzeros.contiguous()
+    bias = None if bias is None else bias.contiguous()
     if M <= KERNEL_MAX_M:
         return torch.ops.quantfuse._awq_gemm_cuda(x, packed_weight(qweight), scales, qzeros, group_size, bias)
     w = torch.ops.quantfuse._awq_dequantize_cuda(qweight.contiguous(), scales, qzeros, group_size)
