@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import sys
 
@@ -39,40 +38,17 @@ from compile_backend import kernels  # noqa: E402
 from compile_backend.cuda import awq_gemm as awq_cuda  # noqa: E402
 from compile_backend.quantize import AWQLinear, awq_pack  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(__file__))
+from timing import copies_for, rotating  # noqa: E402
+
 SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
 MS = (1, 16, 32, 64, 128, 256, 1024, 4096)
 G = 128
-L2_BYTES = 50 * 2**20
 DEV = "cuda"
 
 
 def weight_bytes(N, K, G=G):
     return K * N // 2 + (K // G) * N * 2 + (K // G) * N // 2
-
-
-def copies_for(set_bytes, cap=8):
-    return max(1, min(cap, math.ceil(2 * L2_BYTES / max(1, set_bytes))))
-
-
-def bench_graph(calls, do_bench):
-    """Median µs of one call, ``calls`` a list of closures over distinct inputs."""
-    for c in calls:  # warm up outside the graph (builds, caches, autotuning)
-        c()
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    torch.cuda.synchronize()
-    ms = do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
-    del graph
-    return ms * 1000.0 / len(calls)
 
 
 def make_set(M, N, K, gen):
@@ -102,8 +78,6 @@ def main():
             torch.ops.quantfuse._awq_gemm_cuda(x, packed, s, qz, G, None, w[0] if w else 0)
         torch.cuda.synchronize()
         return None
-    from triton.testing import do_bench
-
     torch.backends.cuda.matmul.allow_tf32 = False
     ms_list = [int(m) for m in args.ms.split(",")]
     shapes = SHAPES if args.shapes == "all" else [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
@@ -130,21 +104,21 @@ def main():
             n_ours = copies_for(wb + act_bytes)
             sets = [make_set(M, N, K, gen) for _ in range(n_ours)]
             packed = []
-            row["ours"] = bench_graph(
-                [lambda s=s: torch.ops.quantfuse.awq_gemm(s[0], s[1], s[2], s[3], G) for s in sets], do_bench)
+            row["ours"] = rotating(
+                [lambda s=s: torch.ops.quantfuse.awq_gemm(s[0], s[1], s[2], s[3], G) for s in sets])
             if M <= 1024:
                 packed = [awq_cuda.packed_weight(s[1]) for s in sets]
-                row["ours_kernel"] = bench_graph(
+                row["ours_kernel"] = rotating(
                     [lambda s=s, p=p: torch.ops.quantfuse._awq_gemm_cuda(s[0], p, s[2], s[3], G, None)
-                     for s, p in zip(sets, packed)], do_bench)
+                     for s, p in zip(sets, packed)])
             if M <= 64:
-                row["ours_kernel_w8"] = bench_graph(
+                row["ours_kernel_w8"] = rotating(
                     [lambda s=s, p=p: torch.ops.quantfuse._awq_gemm_cuda(s[0], p, s[2], s[3], G, None, 8)
-                     for s, p in zip(sets, packed)], do_bench)
+                     for s, p in zip(sets, packed)])
             if M >= 16:
-                row["ours_dq_cublas"] = bench_graph(
+                row["ours_dq_cublas"] = rotating(
                     [lambda s=s: torch.mm(s[0], torch.ops.quantfuse._awq_dequantize_cuda(s[1], s[2], s[3], G))
-                     for s in sets], do_bench)
+                     for s in sets])
             # correctness spot check of the dispatch against the dense product
             x, qw, s_, qz = sets[0]
             dense = torch.ops.quantfuse.awq_dequantize(qw, s_, qz, G)
@@ -152,15 +126,15 @@ def main():
             out = torch.ops.quantfuse.awq_gemm(x, qw, s_, qz, G).float()
             row["rel_err"] = (torch.linalg.norm(out - ref) / torch.linalg.norm(ref)).item()
             # --- inductor on the same AWQ tensors
-            row["inductor"] = bench_graph(
-                [lambda s=s: inductor_fn(s[0], s[1], s[3], s[2]) for s in sets], do_bench)
+            row["inductor"] = rotating(
+                [lambda s=s: inductor_fn(s[0], s[1], s[3], s[2]) for s in sets])
             del sets, packed
             # --- fp16 cuBLAS on the dequantized weight, nn.Linear layout [N, K]
             dense_t = dense.t().contiguous()
             n_cb = copies_for(K * N * 2 + act_bytes)
             cb = [(torch.randn((M, K), generator=gen, device=DEV).half(),
                    dense_t if i == 0 else dense_t.clone()) for i in range(n_cb)]
-            row["cublas_fp16"] = bench_graph([lambda c=c: c[0] @ c[1].t() for c in cb], do_bench)
+            row["cublas_fp16"] = rotating([lambda c=c: c[0] @ c[1].t() for c in cb])
             del cb, dense_t, dense
             # --- tinygemm: bf16, group 128
             n_tg = copies_for(wb + act_bytes)
@@ -171,8 +145,8 @@ def main():
                 wpk = torch.ops.aten._convert_weight_to_int4pack(w_u8, 8)
                 sz = torch.rand((K // G, N, 2), generator=gen, device=DEV).to(torch.bfloat16)
                 tg.append((torch.randn((M, K), generator=gen, device=DEV).to(torch.bfloat16), wpk, sz))
-            row["tinygemm"] = bench_graph(
-                [lambda t=t: torch._weight_int4pack_mm(t[0], t[1], G, t[2]) for t in tg], do_bench)
+            row["tinygemm"] = rotating(
+                [lambda t=t: torch._weight_int4pack_mm(t[0], t[1], G, t[2]) for t in tg])
             del tg
             torch.cuda.empty_cache()
             print(json.dumps(row), flush=True)

@@ -1,8 +1,9 @@
 """Benchmark quantfuse.scaled_mm (CUTLASS SM90) against what a user runs today.
 
 For (N, K) in {(6144,4096), (4096,4096), (28672,4096), (4096,14336)} and M in
-{1,16,64,256,1024,4096,8192}: median time (triton.testing.do_bench, which flushes L2
-before every call, return_mode="median") of
+{1,16,64,256,1024,4096,8192}: median time per call (benchmarks/timing.py: by default CUDA-graph
+replays rotating over input copies that exceed twice the L2; --timer flush for do_bench's
+L2 flush, as ../shared/BASELINES.md was measured) of
   * ours: int8 per-token x per-channel + bias, bf16 out (the issue's target case)
   * ours azp: the same with per-token zero points (ScaledBiasAzpToken)
   * ours fp8: float8_e4m3fn row-wise + bias, bf16 out
@@ -28,24 +29,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from timing import copies_for, copy_bandwidth, flushed, rotating  # noqa: E402
 
 NK = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
 MS = (1, 16, 64, 256, 1024, 4096, 8192)
 PEAK_TOPS = 1979.0
-
-
-def bench(fn):
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3  # µs
-
-
-def copy_bandwidth() -> float:
-    n = 1 << 30
-    x = torch.empty(n, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    t = bench(lambda: y.copy_(x))
-    return 2 * n / (t * 1e-6)
 
 
 def main() -> int:
@@ -54,6 +44,9 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-ours-fp8", action="store_true", help="skip our fp8 kernel (debugging)")
     ap.add_argument("--ms", default="", help="comma-separated M values (default: all)")
+    ap.add_argument("--timer", choices=("rotate", "flush"), default="rotate",
+                    help="rotate: CUDA graph over input copies > 2x L2 (default); flush: do_bench's L2 flush "
+                    "(how ../shared/BASELINES.md was measured); see benchmarks/timing.py")
     ap.add_argument("--skip", default="",
                     help="comma-separated columns not to measure (nan), e.g. ours_azp,cublas_bf16")
     args = ap.parse_args()
@@ -83,43 +76,70 @@ def main() -> int:
     if args.no_ours_fp8:
         skip.add("ours_fp8")
 
-    def measure(name, fn):
-        return float("nan") if name in skip else bench(fn)
-    for N, K in nk_list:
+    def measure(name, sets, fn):
+        """fn(set) timed over every input set (rotate) or over the first one (flush)."""
+        if name in skip:
+            return float("nan")
+        if args.timer == "flush":
+            return flushed(lambda: fn(sets[0]))
+        return rotating([lambda s=s: fn(s) for s in sets])
+
+    def weights(N, K):
         w8 = torch.randint(-128, 128, (N, K), dtype=torch.int8, device="cuda")
-        b8 = w8.t()
-        wbf = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
-        wf8 = (torch.randn(N, K, device="cuda") * 2).to(torch.float8_e4m3fn)
-        sb = torch.rand(N, device="cuda") * 1e-2 + 1e-3
-        bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
-        colsum = b8.to(torch.int32).sum(0, dtype=torch.int32)
+        return {
+            "b8": w8.t(),
+            "wf8": (torch.randn(N, K, device="cuda") * 2).to(torch.float8_e4m3fn),
+            "sb": torch.rand(N, device="cuda") * 1e-2 + 1e-3,
+            "bias": torch.randn(N, device="cuda", dtype=torch.bfloat16),
+            "colsum": w8.to(torch.int32).sum(1, dtype=torch.int32),
+        }
+
+    def activations(w, M, K):
+        Mp = max(M, 17)
+        a = {
+            "a8": torch.randint(-128, 128, (M, K), dtype=torch.int8, device="cuda"),
+            "af8": (torch.randn(M, K, device="cuda") * 2).to(torch.float8_e4m3fn),
+            "abf": torch.randn(M, K, device="cuda", dtype=torch.bfloat16),
+            "sa": torch.rand(M, device="cuda") * 1e-2 + 1e-3,
+            "azp": torch.randint(-50, 50, (M,), dtype=torch.int32, device="cuda"),
+            "a8p": torch.randint(-128, 128, (Mp, K), dtype=torch.int8, device="cuda"),
+            "sap": torch.rand(Mp, 1, device="cuda") * 1e-2,
+        }
+        a["sa2"] = a["sa"].reshape(-1, 1)
+        a["sb2"] = w["sb"].reshape(1, -1)
+        return {**w, **a}
+
+    def scaled_mm_fp8(s):
+        return torch._scaled_mm(s["af8"], s["wf8"].t(), scale_a=s["sa2"], scale_b=s["sb2"], bias=s["bias"],
+                                out_dtype=torch.bfloat16)
+
+    for N, K in nk_list:
+        # distinct weights per copy (int8 + fp8 counted; bf16 cuBLAS gets its own copies)
+        n_sets = 1 if args.timer == "flush" else copies_for(2 * N * K)
+        wsets = [weights(N, K) for _ in range(n_sets)]
+        n_bf = 1 if args.timer == "flush" else copies_for(2 * N * K)
+        wbf = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(n_bf)]
         for M in m_list:
-            a8 = torch.randint(-128, 128, (M, K), dtype=torch.int8, device="cuda")
-            af8 = (torch.randn(M, K, device="cuda") * 2).to(torch.float8_e4m3fn)
-            abf = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-            sa = torch.rand(M, device="cuda") * 1e-2 + 1e-3
-            azp = torch.randint(-50, 50, (M,), dtype=torch.int32, device="cuda")
-            Mp = max(M, 17)
-            a8p = torch.randint(-128, 128, (Mp, K), dtype=torch.int8, device="cuda")
-            sap = torch.rand(Mp, 1, device="cuda") * 1e-2
+            sets = [activations(w, M, K) for w in wsets]
+            bf_sets = [(torch.randn(M, K, device="cuda", dtype=torch.bfloat16), w) for w in wbf]
             r = {"N": N, "K": K, "M": M}
-            r["ours"] = bench(lambda: ops.scaled_mm(a8, b8, sa, sb, torch.bfloat16, bias))
-            r["ours_azp"] = measure(
-                "ours_azp", lambda: ops.scaled_mm_azp(a8, b8, sa, sb, torch.bfloat16, colsum, azp, bias))
-            r["ours_fp8"] = measure("ours_fp8", lambda: ops.scaled_mm(af8, wf8.t(), sa, sb, torch.bfloat16, bias))
-            r["cublas_bf16"] = measure("cublas_bf16", lambda: abf @ wbf.t())
-            r["int_mm"] = measure("int_mm", lambda: torch._int_mm(a8p, b8))
-            if "int_mm_inductor" not in skip:
-                inductor(a8p, b8, sap, sb, bias)
-            r["int_mm_inductor"] = measure("int_mm_inductor", lambda: inductor(a8p, b8, sap, sb, bias))
+            r["ours"] = measure("ours", sets, lambda s: ops.scaled_mm(
+                s["a8"], s["b8"], s["sa"], s["sb"], torch.bfloat16, s["bias"]))
+            r["ours_azp"] = measure("ours_azp", sets, lambda s: ops.scaled_mm_azp(
+                s["a8"], s["b8"], s["sa"], s["sb"], torch.bfloat16, s["colsum"], s["azp"], s["bias"]))
+            r["ours_fp8"] = measure("ours_fp8", sets, lambda s: ops.scaled_mm(
+                s["af8"], s["wf8"].t(), s["sa"], s["sb"], torch.bfloat16, s["bias"]))
+            r["cublas_bf16"] = measure("cublas_bf16", bf_sets, lambda s: s[0] @ s[1].t())
+            r["int_mm"] = measure("int_mm", sets, lambda s: torch._int_mm(s["a8p"], s["b8"]))
+            r["int_mm_inductor"] = measure("int_mm_inductor", sets, lambda s: inductor(
+                s["a8p"], s["b8"], s["sap"], s["sb"], s["bias"]))
             try:
-                sa2, sb2 = sa.reshape(-1, 1), sb.reshape(1, -1)
-                torch._scaled_mm(af8, wf8.t(), scale_a=sa2, scale_b=sb2, bias=bias, out_dtype=torch.bfloat16)
-                r["scaled_mm_fp8"] = measure("scaled_mm_fp8", lambda: torch._scaled_mm(
-                    af8, wf8.t(), scale_a=sa2, scale_b=sb2, bias=bias, out_dtype=torch.bfloat16))
+                scaled_mm_fp8(sets[0])
+                r["scaled_mm_fp8"] = measure("scaled_mm_fp8", sets, scaled_mm_fp8)
             except RuntimeError as exc:
                 print("torch._scaled_mm failed:", exc)
                 r["scaled_mm_fp8"] = float("nan")
+            sets = bf_sets = None
             ops_count = 2 * M * N * K
             bytes_ = M * K + N * K + 2 * M * N
             r["floor_us"] = max(bytes_ / bw, ops_count / (PEAK_TOPS * 1e12)) * 1e6
@@ -131,14 +151,16 @@ def main() -> int:
                 f"  _scaled_mm {r['scaled_mm_fp8']:8.1f}  floor {r['floor_us']:6.1f}",
                 flush=True,
             )
-        w8 = b8 = wbf = wf8 = None  # free this shape's weights before the next
+        wsets = wbf = None  # free this shape's weights before the next
+        torch.cuda.empty_cache()
 
     meta = {
         "gpu": gpu,
         "torch": torch.__version__,
         "date": datetime.date.today().isoformat(),
         "copy_bandwidth_TBps": bw / 1e12,
-        "timer": "triton.testing.do_bench median (L2 flushed before each call), µs",
+        "timer": ("median of CUDA-graph replays over input copies exceeding 2x L2, per call, µs"
+                  if args.timer == "rotate" else "triton.testing.do_bench median (L2 flushed before each call), µs"),
     }
     (out_dir / "bench_scaled_mm.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     md = render(meta, rows)

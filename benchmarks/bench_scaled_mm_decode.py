@@ -1,8 +1,9 @@
 """Decode (M <= 16) W8A8 kernel: quantfuse::_scaled_mm_decode_cuda against the CUTLASS SM90
 kernel it replaces for small M, torch._scaled_mm (fp8) and torch._int_mm (int8, M padded to
 its minimum 17), with the work split (cluster size, warps per CTA, pipeline depth) swept.
-Per-token x per-channel scales + bias, bf16 out.  Median of triton.testing.do_bench (L2
-flushed before each call), µs; DRAM fraction = (weight + activation + output bytes) / measured copy bandwidth / time.
+Per-token x per-channel scales + bias, bf16 out.  Median µs per call, by default over CUDA-graph
+replays rotating among weight copies > 2x L2 (--timer flush: do_bench's L2 flush; see
+benchmarks/timing.py); DRAM fraction = (weight + activation + output bytes) / copy bandwidth / time.
 
     python benchmarks/bench_scaled_mm_decode.py [--ms 1,8,16] [--out DIR]
 """
@@ -18,6 +19,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from timing import copies_for, copy_bandwidth, flushed, rotating  # noqa: E402
 
 NK = ((4096, 4096), (6144, 4096), (4096, 14336), (28672, 4096))
 # (splits, warps per CTA, pipeline stages) forced through _scaled_mm_decode_tune; -1 = chosen
@@ -26,24 +30,18 @@ VARIANTS = {"s1": (1, -1, -1), "s2": (2, -1, -1), "s4": (4, -1, -1), "s8": (8, -
             "w4": (-1, 4, -1), "w8": (-1, 8, -1), "s2w8": (2, 8, -1)}
 
 
-def bench(fn):
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
-
-
-def copy_bandwidth() -> float:
-    n = 1 << 30
-    x = torch.empty(n, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    return 2 * n / (bench(lambda: y.copy_(x)) * 1e-6)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default="1,8,16")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--timer", choices=("rotate", "flush"), default="rotate", help="see benchmarks/timing.py")
     args = ap.parse_args()
+
+    def bench(sets, fn):
+        if args.timer == "flush":
+            return flushed(lambda: fn(*sets[0]))
+        return rotating([lambda s=s: fn(*s) for s in sets])
+
     import compile_backend.cuda  # noqa: F401
     from compile_backend import kernels
 
@@ -57,34 +55,42 @@ def main() -> int:
     rows = []
     for N, K in NK:
         for dt in (torch.int8, torch.float8_e4m3fn):
-            if dt == torch.int8:
-                w = torch.randint(-128, 128, (N, K), dtype=dt, device="cuda")
-            else:
-                w = (torch.randn(N, K, device="cuda") * 2).to(dt)
-            b = w.t()
-            sb = torch.rand(N, device="cuda") * 1e-2 + 1e-3
-            bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+            n_sets = 1 if args.timer == "flush" else copies_for(N * K)
+
+            def weight(dt=dt, N=N, K=K):
+                if dt == torch.int8:
+                    w = torch.randint(-128, 128, (N, K), dtype=dt, device="cuda")
+                else:
+                    w = (torch.randn(N, K, device="cuda") * 2).to(dt)
+                return (w.t(), torch.rand(N, device="cuda") * 1e-2 + 1e-3,
+                        torch.randn(N, device="cuda", dtype=torch.bfloat16))
+
+            wsets = [weight() for _ in range(n_sets)]
             cfg = list(qf._scaled_mm_decode_config(N, K))
             for M in ms:
-                if dt == torch.int8:
-                    a = torch.randint(-128, 128, (M, K), dtype=dt, device="cuda")
-                else:
-                    a = (torch.randn(M, K, device="cuda") * 2).to(dt)
-                sa = torch.rand(M, device="cuda") * 1e-2 + 1e-3
+                def act(dt=dt, M=M, K=K):
+                    if dt == torch.int8:
+                        return torch.randint(-128, 128, (M, K), dtype=dt, device="cuda")
+                    return (torch.randn(M, K, device="cuda") * 2).to(dt)
+
+                # (a, b, sa, sb, bias, a padded to 17 rows for _int_mm)
+                sets = [(act(), b, torch.rand(M, device="cuda") * 1e-2 + 1e-3, sb, bias,
+                         torch.randint(-128, 128, (max(M, 17), K), dtype=torch.int8, device="cuda"))
+                        for b, sb, bias in wsets]
                 r = {"N": N, "K": K, "M": M, "dtype": str(dt).split(".")[-1], "config": cfg}
-                r["decode"] = bench(lambda: qf._scaled_mm_decode_cuda(a, b, sa, sb, torch.bfloat16, bias))
-                for name, (s, wa, st) in VARIANTS.items():
-                    r[name] = bench(lambda s=s, wa=wa, st=st: qf._scaled_mm_decode_tune(
-                        a, b, sa, sb, torch.bfloat16, bias, s, wa, st))
-                r["cutlass"] = (bench(lambda: qf._scaled_mm_cutlass(a, b, sa, sb, torch.bfloat16, bias))
-                                if has_cutlass else float("nan"))
+                r["decode"] = bench(sets, lambda a, b, sa, sb, bias, ap_: qf._scaled_mm_decode_cuda(
+                    a, b, sa, sb, torch.bfloat16, bias))
+                for name, (sp, wa, st) in VARIANTS.items():
+                    r[name] = bench(sets, lambda a, b, sa, sb, bias, ap_, sp=sp, wa=wa, st=st:
+                                    qf._scaled_mm_decode_tune(a, b, sa, sb, torch.bfloat16, bias, sp, wa, st))
+                r["cutlass"] = (bench(sets, lambda a, b, sa, sb, bias, ap_: qf._scaled_mm_cutlass(
+                    a, b, sa, sb, torch.bfloat16, bias)) if has_cutlass else float("nan"))
                 if dt == torch.int8:
-                    ap_ = torch.randint(-128, 128, (max(M, 17), K), dtype=dt, device="cuda")
-                    r["baseline"] = bench(lambda: torch._int_mm(ap_, b))
+                    r["baseline"] = bench(sets, lambda a, b, sa, sb, bias, ap_: torch._int_mm(ap_, b))
                 else:
-                    sa2, sb2 = sa.reshape(-1, 1), sb.reshape(1, -1)
-                    r["baseline"] = bench(lambda: torch._scaled_mm(a, b, scale_a=sa2, scale_b=sb2, bias=bias,
-                                                                   out_dtype=torch.bfloat16))
+                    r["baseline"] = bench(sets, lambda a, b, sa, sb, bias, ap_: torch._scaled_mm(
+                        a, b, scale_a=sa.reshape(-1, 1), scale_b=sb.reshape(1, -1), bias=bias,
+                        out_dtype=torch.bfloat16))
                 nbytes = N * K + M * K + 2 * M * N
                 r["floor_us"] = nbytes / bw * 1e6
                 r["dram_frac"] = r["floor_us"] / r["decode"]
@@ -94,7 +100,7 @@ def main() -> int:
                       f"({100 * r['dram_frac']:3.0f}% DRAM)  {sw}  cutlass {r['cutlass']:6.1f}  "
                       f"{'_int_mm(M>=17)' if dt == torch.int8 else '_scaled_mm'} {r['baseline']:6.1f}  "
                       f"floor {r['floor_us']:5.1f}", flush=True)
-            w = b = None  # free this shape's weight before the next
+            wsets = sets = None  # free this shape's weights before the next
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_scaled_mm_decode.json").write_text(json.dumps({"copy_TBps": bw / 1e12, "rows": rows}, indent=1))

@@ -1,0 +1,66 @@
+"""Timers shared by the benchmarks.
+
+Two ways to keep a call from reading its weight out of the 50 MB L2:
+
+* ``rotating(calls)``: the calls (closures over distinct input sets whose bytes together
+  exceed twice the L2) are captured in one CUDA graph; the median replay time is divided by
+  the number of calls.  This is what a model sees (each layer reads weights no one read
+  recently, the lines left in L2 are clean) and it excludes host launch overhead for every
+  path alike.  METHOD.md's "rotate among several input sets".
+* ``flushed(fn)``: ``triton.testing.do_bench``, which zero-fills a 256 MB buffer before every
+  call.  That leaves the L2 full of dirty lines, so a memory-bound call first writes back up
+  to 50 MB it never touched: at 4096 x 4096 int8 (16.8 MB) that doubles the DRAM traffic.
+  ../shared/BASELINES.md was measured this way, so it stays available for comparison.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+L2_BYTES = 50 * 2**20
+
+
+def copies_for(set_bytes: int, cap: int = 8) -> int:
+    """Input sets needed so that one pass over them reads more than twice the L2."""
+    return max(1, min(cap, math.ceil(2 * L2_BYTES / max(1, set_bytes))))
+
+
+def flushed(fn) -> float:
+    """Median µs of ``fn()`` with triton's L2 flush before every call."""
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+
+
+def rotating(calls) -> float:
+    """Median µs of one call; ``calls`` are closures over distinct inputs, replayed as one graph."""
+    from triton.testing import do_bench
+
+    for c in calls:  # warm up outside the graph (builds, caches, autotuning)
+        c()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    torch.cuda.synchronize()
+    ms = do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
+    del graph
+    return ms * 1000.0 / len(calls)
+
+
+def copy_bandwidth() -> float:
+    """Bytes read plus bytes written per second by a 1 GiB device-to-device copy."""
+    n = 1 << 30
+    x = torch.empty(n, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    t = flushed(lambda: y.copy_(x))
+    return 2 * n / (t * 1e-6)
