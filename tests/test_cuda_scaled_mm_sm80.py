@@ -269,13 +269,13 @@ def test_dispatch_on_non_hopper_gpus(monkeypatch):
     bf = torch.randn(64, 128, device="cuda").to(torch.float8_e4m3fn).t()
     sa, sb = torch.rand(16, device="cuda") + 0.5, torch.rand(64, device="cuda") + 0.5
     for cap in ((8, 0), (8, 6), (8, 9)):
-        monkeypatch.setitem(qsm._capability_cache, index, cap)
+        monkeypatch.setitem(kernels._capabilities, index, cap)
         assert qsm.supports(a8, b8, sa, sb, torch.bfloat16) is None
         reason = qsm.supports(af, bf, sa, sb, torch.bfloat16)
         assert reason is not None and "fp8" in reason, reason
         out = ops.scaled_mm(af, bf, sa, sb, torch.bfloat16)
         assert torch.equal(out, ops.scaled_mm_reference(af, bf, sa, sb, torch.bfloat16))
-    monkeypatch.setitem(qsm._capability_cache, index, (7, 5))
+    monkeypatch.setitem(kernels._capabilities, index, (7, 5))
     assert "sm_80" in qsm.supports(a8, b8, sa, sb, torch.bfloat16)
 
 

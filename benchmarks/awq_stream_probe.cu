@@ -1,0 +1,314 @@
+// Probe: how fast can a kernel stream the AWQ decode kernel's bytes, with and without its math?
+//
+// Standalone (CUDA only, no torch): includes the kernel file, so the GEMM is timed exactly as the
+// op launches it, next to read-only kernels that walk the same bytes in the same order (per-warp
+// contiguous 512-byte steps, P steps of 16-byte loads in flight per lane, the GEMM's grid and
+// occupancy) and variants of that walk.  Every timing is a CUDA graph replayed over enough
+// buffer copies to exceed twice the L2 (METHOD.md's rotation), median of 21 replays.
+//
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icsrc \
+//        benchmarks/awq_stream_probe.cu -o awq_stream_probe && ./awq_stream_probe
+//
+// Output: one line per (shape, variant): µs per call and TB/s of the bytes read.
+
+#include "awq_gemm/awq_gemm_kernels.cu"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#define CK(x)                                                                                  \
+  do {                                                                                         \
+    cudaError_t e_ = (x);                                                                      \
+    if (e_ != cudaSuccess) {                                                                   \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                            \
+    }                                                                                          \
+  } while (0)
+
+namespace {
+
+// Each warp reads `steps` consecutive chunks of V x 512 bytes starting at its own offset (the
+// GEMM's strip / split / warp partition), P chunks in flight per lane; the XOR of everything
+// is written only if it equals a value random data never gives, so nothing is optimised away.
+// L: 0 = the current layout [strip][kt][lane] (a warp's steps are consecutive 512-byte chunks,
+// concurrent warps 128 KB apart at K = 4096); 1 = k-major [kt][strip][lane] (at one k-step all
+// strips are adjacent, so the GPU as a whole reads one contiguous front); 2 = layout 0 with
+// the block's warps interleaved step by step (each block reads 2 KB runs).
+template <int P, int V, int L = 0>
+__global__ void stream_read(const uint4* __restrict__ w, int KT, int W, unsigned* __restrict__ sink) {
+  const int splits = gridDim.x;
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int per_block = (KT + splits - 1) / splits;
+  const int kb = min(KT, (int)blockIdx.x * per_block);
+  const int ke = min(KT, kb + per_block);
+  const int per_warp = (ke - kb + W - 1) / W;
+  const int wb = L == 2 ? kb + warp : min(ke, kb + warp * per_warp);
+  const int we = L == 2 ? ke : min(ke, wb + per_warp);
+  const int strips = gridDim.y;
+  const uint4* base = L == 1 ? w + (size_t)blockIdx.y * 32 + lane : w + (size_t)blockIdx.y * KT * 32 + lane;
+  const size_t step = L == 1 ? (size_t)strips * 32 : 32;
+  const int inc = L == 2 ? W : 1;  // k-steps between a warp's consecutive chunks
+  uint4 buf[P][V];
+  unsigned acc = 0;
+  int s = wb;
+#pragma unroll
+  for (int u = 0; u < P; ++u)
+#pragma unroll
+    for (int v = 0; v < V; ++v)
+      if (s + (u * V + v) * inc < we) buf[u][v] = __ldcs(base + (size_t)(s + (u * V + v) * inc) * step);
+  for (; s < we; s += P * V * inc) {
+#pragma unroll
+    for (int u = 0; u < P; ++u)
+#pragma unroll
+      for (int v = 0; v < V; ++v) {
+        const int kt = s + (u * V + v) * inc;
+        if (kt < we) {
+          acc ^= buf[u][v].x ^ buf[u][v].y ^ buf[u][v].z ^ buf[u][v].w;
+          if (kt + P * V * inc < we) buf[u][v] = __ldcs(base + (size_t)(kt + P * V * inc) * step);
+        }
+      }
+  }
+  if (acc == 0x9e3779b9u) sink[threadIdx.x] = acc;
+}
+
+// The textbook streaming read: grid-stride, four 16-byte loads per thread per iteration.
+__global__ void flat_read(const uint4* __restrict__ w, size_t n16, unsigned* __restrict__ sink) {
+  unsigned acc = 0;
+  const size_t stride = (size_t)gridDim.x * blockDim.x;
+  size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  for (; i + 3 * stride < n16; i += 4 * stride) {
+    uint4 a = __ldcs(w + i), b = __ldcs(w + i + stride), c = __ldcs(w + i + 2 * stride),
+          d = __ldcs(w + i + 3 * stride);
+    acc ^= a.x ^ b.y ^ c.z ^ d.w ^ a.w ^ b.x ^ c.y ^ d.z;
+  }
+  for (; i < n16; i += stride) acc ^= __ldcs(w + i).x;
+  if (acc == 0x9e3779b9u) sink[threadIdx.x] = acc;
+}
+
+// The block's contiguous byte range of its strip, copied into a shared-memory ring of S stages of
+// CH bytes by single-thread bulk copies (cp.async.bulk, completion on an mbarrier): bytes in
+// flight are set by the ring, not by registers or per-lane requests.
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+template <int S, int CH>
+__global__ void bulk_read(const uint4* __restrict__ w, int KT, unsigned* __restrict__ sink) {
+  extern __shared__ __align__(128) uint8_t ring[];
+  __shared__ __align__(8) uint64_t full[S];
+  const int splits = gridDim.x;
+  const int per_block = (KT + splits - 1) / splits;
+  const int kb = min(KT, (int)blockIdx.x * per_block);
+  const int ke = min(KT, kb + per_block);
+  const char* src = reinterpret_cast<const char*>(w + (size_t)blockIdx.y * KT * 32) + (size_t)kb * 512;
+  const int bytes = (ke - kb) * 512;
+  const int chunks = (bytes + CH - 1) / CH;
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < S; ++i)
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&full[i])));
+    asm volatile("fence.mbarrier_init.release.cluster;");
+  }
+  __syncthreads();
+  auto issue = [&](int c, int st) {
+    const int n = min(CH, bytes - c * CH);
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(&full[st])), "r"(n)
+                 : "memory");
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+            smem_addr(ring + st * CH)),
+        "l"(src + (size_t)c * CH), "r"(n), "r"(smem_addr(&full[st]))
+        : "memory");
+  };
+  if (threadIdx.x == 0)
+    for (int c = 0; c < min(S, chunks); ++c) issue(c, c);
+  unsigned acc = 0;
+  for (int c = 0; c < chunks; ++c) {
+    const int st = c % S;
+    const uint32_t parity = (c / S) & 1;
+    uint32_t done = 0;
+    while (!done)
+      asm volatile(
+          "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+          : "=r"(done)
+          : "r"(smem_addr(&full[st])), "r"(parity)
+          : "memory");
+    const int n = min(CH, bytes - c * CH);
+    const uint4* stage = reinterpret_cast<const uint4*>(ring + st * CH);
+    for (int i = threadIdx.x; i < n / 16; i += blockDim.x) {
+      const uint4 v = stage[i];
+      acc ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+    __syncthreads();  // the stage is consumed before it is refilled
+    if (threadIdx.x == 0 && c + S < chunks) issue(c + S, st);
+  }
+  if (acc == 0x9e3779b9u) sink[threadIdx.x] = acc;
+}
+
+__global__ void fill_random(uint32_t* p, size_t n, uint32_t seed) {
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+    uint32_t x = (uint32_t)i * 2654435761u ^ seed;
+    x ^= x >> 13; x *= 0x5bd1e995u; x ^= x >> 15;
+    p[i] = x;
+  }
+}
+
+template <typename F>
+float time_graph(int copies, F&& launch) {
+  cudaStream_t st;
+  CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  for (int c = 0; c < copies; ++c) launch(c, st);  // warm up
+  CK(cudaStreamSynchronize(st));
+  cudaGraph_t g;
+  cudaGraphExec_t ge;
+  CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+  for (int c = 0; c < copies; ++c) launch(c, st);
+  CK(cudaStreamEndCapture(st, &g));
+  CK(cudaGraphInstantiate(&ge, g, 0));
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  std::vector<float> t;
+  for (int r = 0; r < 24; ++r) {
+    CK(cudaEventRecord(a, st));
+    CK(cudaGraphLaunch(ge, st));
+    CK(cudaEventRecord(b, st));
+    CK(cudaEventSynchronize(b));
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, a, b));
+    if (r >= 3) t.push_back(ms * 1000.0f / copies);
+  }
+  std::sort(t.begin(), t.end());
+  CK(cudaGraphExecDestroy(ge));
+  CK(cudaGraphDestroy(g));
+  CK(cudaStreamDestroy(st));
+  return t[t.size() / 2];
+}
+
+// Dynamic shared memory that leaves room for `blocks` blocks per SM (to give a read kernel the
+// GEMM's occupancy); 0 = no limit.
+size_t smem_for(int blocks) { return blocks <= 0 ? 0 : (size_t)(227 * 1024) / blocks - 1024; }
+
+template <int S, int CH>
+void run_bulk(const std::vector<uint4*>& bufs, int N, int K, int W, int splits, double bytes, unsigned* sink) {
+  const int KT = K / 16;
+  const size_t smem = (size_t)S * CH;
+  CK(cudaFuncSetAttribute(bulk_read<S, CH>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  int occ = 0;
+  CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, bulk_read<S, CH>, W * 32, smem));
+  const dim3 grid(splits, N / 64);
+  const float us = time_graph((int)bufs.size(), [&](int c, cudaStream_t st) {
+    bulk_read<S, CH><<<grid, W * 32, smem, st>>>(bufs[c], KT, sink);
+  });
+  char name[64];
+  std::snprintf(name, sizeof name, "bulk %dx%dKB w%d s%d (%d blk/SM)", S, CH / 1024, W, splits, occ);
+  std::printf("N=%5d K=%5d %-34s %7.1f us %5.2f TB/s\n", N, K, name, us, bytes / us * 1e-6);
+}
+
+void run_flat(const std::vector<uint4*>& bufs, int N, int K, int blocks_per_sm, int sms, double bytes, unsigned* sink) {
+  const size_t smem = smem_for(blocks_per_sm);
+  CK(cudaFuncSetAttribute(flat_read, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  const size_t n16 = (size_t)bytes / 16;
+  const float us = time_graph((int)bufs.size(), [&](int c, cudaStream_t st) {
+    flat_read<<<sms * (blocks_per_sm > 0 ? blocks_per_sm : 8), 256, smem, st>>>(bufs[c], n16, sink);
+  });
+  char name[64];
+  std::snprintf(name, sizeof name, "flat_read %d warps/SM", blocks_per_sm > 0 ? 8 * blocks_per_sm : 64);
+  std::printf("N=%5d K=%5d %-34s %7.1f us %5.2f TB/s\n", N, K, name, us, bytes / us * 1e-6);
+}
+
+template <int P, int V, int L = 0>
+void run_stream(const char* name, const std::vector<uint4*>& bufs, int N, int K, int W, int splits, int blocks_per_sm,
+                double bytes, unsigned* sink) {
+  const int KT = K / 16;
+  const size_t smem = smem_for(blocks_per_sm);
+  CK(cudaFuncSetAttribute(stream_read<P, V, L>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  const dim3 grid(splits, N / 64);
+  const float us = time_graph((int)bufs.size(), [&](int c, cudaStream_t st) {
+    stream_read<P, V, L><<<grid, W * 32, smem, st>>>(bufs[c], KT, W, sink);
+  });
+  std::printf("N=%5d K=%5d %-34s %7.1f us %5.2f TB/s\n", N, K, name, us, bytes / us * 1e-6);
+}
+
+}  // namespace
+
+int main() {
+  using namespace quantfuse::awq;
+  int dev = 0;
+  CK(cudaSetDevice(dev));
+  cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, dev));
+  std::printf("%s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);
+  unsigned* sink;
+  CK(cudaMalloc(&sink, 4096));
+  const int shapes[3][2] = {{28672, 4096}, {4096, 14336}, {4096, 4096}};
+  for (auto& sh : shapes) {
+    const int N = sh[0], K = sh[1], G = 128;
+    const size_t wbytes = (size_t)N * K / 2;
+    const double all_bytes = (double)wbytes + (double)(K / G) * N * 2 + (double)(K / G) * N / 2;
+    const int copies = std::max(1, std::min(8, (int)((2.0 * 50 * (1 << 20) + wbytes - 1) / wbytes)));
+    std::vector<uint4*> w(copies);
+    std::vector<void*> sc(copies), zr(copies), x(copies), out(copies);
+    for (int c = 0; c < copies; ++c) {
+      CK(cudaMalloc(&w[c], wbytes));
+      CK(cudaMalloc(&sc[c], (size_t)(K / G) * N * 2));
+      CK(cudaMalloc(&zr[c], (size_t)(K / G) * N / 2));
+      CK(cudaMalloc(&x[c], (size_t)16 * K * 2));
+      CK(cudaMalloc(&out[c], (size_t)16 * N * 2));
+      fill_random<<<1024, 256>>>(reinterpret_cast<uint32_t*>(w[c]), wbytes / 4, 17u * c + 1);
+      fill_random<<<256, 256>>>(reinterpret_cast<uint32_t*>(zr[c]), (size_t)(K / G) * N / 8, 7u * c + 3);
+      // scales and activations: small positive fp16 (0x1000 | low bits), never NaN or Inf
+      std::vector<uint16_t> h((size_t)(K / G) * N);
+      for (size_t i = 0; i < h.size(); ++i) h[i] = (uint16_t)(0x1000 | (i * 2654435761u >> 20 & 0x3ff));
+      CK(cudaMemcpy(sc[c], h.data(), h.size() * 2, cudaMemcpyHostToDevice));
+      std::vector<uint16_t> hx((size_t)16 * K);
+      for (size_t i = 0; i < hx.size(); ++i) hx[i] = (uint16_t)(0x3000 | (i * 40503u >> 6 & 0x3ff));
+      CK(cudaMemcpy(x[c], hx.data(), hx.size() * 2, cudaMemcpyHostToDevice));
+    }
+    CK(cudaDeviceSynchronize());
+    const double wb = (double)wbytes;
+    const int sms = prop.multiProcessorCount;
+    for (int bps : {2, 4, 0}) run_flat(w, N, K, bps, sms, wb, sink);
+    char name[64];
+    for (int sp : {1, 2, 4, 8}) {
+      std::snprintf(name, sizeof name, "stream P=6 w4 s%d 16w/SM", sp);
+      run_stream<6, 1>(name, w, N, K, 4, sp, 4, wb, sink);
+      std::snprintf(name, sizeof name, "stream P=12 w4 s%d 16w/SM", sp);
+      run_stream<12, 1>(name, w, N, K, 4, sp, 4, wb, sink);
+      std::snprintf(name, sizeof name, "stream P=6 V=2 w4 s%d 16w/SM", sp);
+      run_stream<6, 2>(name, w, N, K, 4, sp, 4, wb, sink);
+      std::snprintf(name, sizeof name, "stream P=6 w4 s%d 32w/SM", sp);
+      run_stream<6, 1>(name, w, N, K, 4, sp, 8, wb, sink);
+      std::snprintf(name, sizeof name, "stream P=12 w4 s%d 24w/SM", sp);
+      run_stream<12, 1>(name, w, N, K, 4, sp, 6, wb, sink);
+      std::snprintf(name, sizeof name, "k-major P=6 w4 s%d 16w/SM", sp);
+      run_stream<6, 1, 1>(name, w, N, K, 4, sp, 4, wb, sink);
+      std::snprintf(name, sizeof name, "warp-interleaved P=6 w4 s%d 16w/SM", sp);
+      run_stream<6, 1, 2>(name, w, N, K, 4, sp, 4, wb, sink);
+      run_bulk<8, 4096>(w, N, K, 4, sp, wb, sink);
+      run_bulk<4, 8192>(w, N, K, 4, sp, wb, sink);
+      run_bulk<8, 8192>(w, N, K, 4, sp, wb, sink);
+      run_bulk<6, 16384>(w, N, K, 4, sp, wb, sink);
+    }
+    // the GEMM itself as the op launches it (cluster split-K), chosen and forced splits
+    std::vector<uint32_t*> packed(copies);
+    for (int c = 0; c < copies; ++c) packed[c] = reinterpret_cast<uint32_t*>(w[c]);  // any bits will do
+    auto gemm = [&](int M, int warps, int splits) {
+      const int s = splits > 0 ? splits : gemm_splits(DType::kHalf, M, N, K, dev, warps);
+      const float us = time_graph(copies, [&](int c, cudaStream_t st) {
+        CK(launch_gemm(DType::kHalf, x[c], packed[c], sc[c], reinterpret_cast<const uint32_t*>(zr[c]), nullptr,
+                       out[c], nullptr, M, N, K, G, s, warps, dev, true, st));
+      });
+      std::snprintf(name, sizeof name, "awq_gemm M=%d w%d s%d%s", M, warps, s, splits > 0 ? "" : " (chosen)");
+      std::printf("N=%5d K=%5d %-34s %7.1f us %5.2f TB/s (all bytes)\n", N, K, name, us, all_bytes / us * 1e-6);
+    };
+    for (int M : {1, 16})
+      for (int warps : {4, 8}) gemm(M, warps, 0);
+    for (int sp : {1, 2, 4, 8}) gemm(1, 4, sp);
+    for (int c = 0; c < copies; ++c) {
+      CK(cudaFree(w[c])); CK(cudaFree(sc[c])); CK(cudaFree(zr[c])); CK(cudaFree(x[c])); CK(cudaFree(out[c]));
+    }
+  }
+  CK(cudaGetLastError());
+  return 0;
+}
