@@ -1,9 +1,9 @@
 // quantfuse AWQ W4A16 CUDA kernels (CUDA headers only; no torch).
 //
 // * awq_gemm_kernel (small M): streams the repacked int4 weights once (16-byte evict-first
-//   loads, 8 per lane in flight in registers), dequantizes them in registers (lop3 + magic
-//   number, zeros and scales in half2/bfloat162 math) straight into mma.sync.m16n8k16 A
-//   fragments, and accumulates in fp32.  A block owns a 64-row strip of N; its warps and, when
+//   loads issued in contiguous batches, double-buffered in registers), dequantizes them in
+//   registers (lop3 + magic number, zeros and scales in half2/bfloat162 math) straight into
+//   mma.sync.m16n8k16 A fragments, and accumulates in fp32.  A block owns a 64-row strip of N; its warps and, when
 //   the strips cannot fill the GPU, a cluster of blocks split K (details at the kernel).
 // * awq_dequantize_kernel: the original AWQ layout to a dense [K, N] weight.
 // * awq_repack_kernel: the original AWQ layout to the GEMM's fragment layout.
@@ -140,7 +140,15 @@ struct Dq<__nv_bfloat16> {
 // block cluster on sm_90 (partials summed through distributed shared memory, no workspace,
 // no second kernel), elsewhere an fp32 workspace and splitk_reduce_kernel.
 constexpr int kTiles = kStripN / 16;   // 16-row MMA tiles per strip
-constexpr int kPrefetch = 6;           // k-steps of weights in flight per lane (16 B each)
+// Weights are loaded kBatch k-steps at a time: each lane issues kBatch 16-byte loads back to
+// back, so the warp asks for kBatch x 512 contiguous bytes at once, double-buffered (the next
+// batch is in flight while this one is used).  On the H100 the same bytes asked for one 512-byte
+// step at a time (a rolling ring) read at ~1.8 TB/s, in batches of 2 KB at ~2.5 TB/s
+// (benchmarks/awq_stream_probe.cu, notes_awq.md).
+#ifndef QF_AWQ_BATCH
+#define QF_AWQ_BATCH 4
+#endif
+constexpr int kBatch = QF_AWQ_BATCH;
 constexpr int kRedStride = kStripN + 4;  // floats per token row of the reduction buffer:
                                          // 2 * 68 = 8 (mod 32 banks) keeps the adds conflict-free
 constexpr int kMaxCluster = 8;         // portable cluster size
@@ -233,10 +241,10 @@ __global__ void __launch_bounds__(W * 32, min_warps_per_sm(NT) / W) awq_gemm_ker
   };
 
   // Weights first: theirs is the latency that matters.
-  uint4 buf[kPrefetch];
+  uint4 buf[2][kBatch];
 #pragma unroll
-  for (int u = 0; u < kPrefetch; ++u)
-    if (wb + u < we) buf[u] = load_stream(wl + (size_t)(wb + u) * 32);
+  for (int u = 0; u < kBatch; ++u)
+    if (wb + u < we) buf[0][u] = load_stream(wl + (size_t)(wb + u) * 32);
   int grp = wb / gsteps;
   int pos = wb - grp * gsteps;  // steps of the current group already behind us
   GroupRaw<T> next;
@@ -273,18 +281,29 @@ __global__ void __launch_bounds__(W * 32, min_warps_per_sm(NT) / W) awq_gemm_ker
     }
   };
 
+  // buf[0] holds the batch at kt; each half-iteration asks for the batch after the one it uses.
   int kt = wb;
-  for (; kt + kPrefetch <= we; kt += kPrefetch) {
+  for (; kt + 2 * kBatch <= we; kt += 2 * kBatch) {
 #pragma unroll
-    for (int u = 0; u < kPrefetch; ++u) {
-      const uint4 w = buf[u];
-      if (kt + u + kPrefetch < we) buf[u] = load_stream(wl + (size_t)(kt + u + kPrefetch) * 32);
-      step(w, kt + u);
-    }
+    for (int u = 0; u < kBatch; ++u) buf[1][u] = load_stream(wl + (size_t)(kt + kBatch + u) * 32);
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) step(buf[0][u], kt + u);
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u)
+      if (kt + 2 * kBatch + u < we) buf[0][u] = load_stream(wl + (size_t)(kt + 2 * kBatch + u) * 32);
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) step(buf[1][u], kt + kBatch + u);
   }
+  // fewer than 2 * kBatch steps left
 #pragma unroll
-  for (int u = 0; u < kPrefetch; ++u)
-    if (kt + u < we) step(buf[u], kt + u);
+  for (int u = 0; u < kBatch; ++u)
+    if (kt + kBatch + u < we) buf[1][u] = load_stream(wl + (size_t)(kt + kBatch + u) * 32);
+#pragma unroll
+  for (int u = 0; u < kBatch; ++u)
+    if (kt + u < we) step(buf[0][u], kt + u);
+#pragma unroll
+  for (int u = 0; u < kBatch; ++u)
+    if (kt + kBatch + u < we) step(buf[1][u], kt + kBatch + u);
 
   // C fragment: [0], [1] = row 16j + g, tokens 8nt + 2t (+1); [2], [3] = row 16j + g + 8.
   __syncthreads();  // red zeroed by every thread
