@@ -9,7 +9,10 @@
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icsrc \
 //        benchmarks/awq_stream_probe.cu -o awq_stream_probe && ./awq_stream_probe
 //
-// Output: one line per (shape, variant): µs per call and TB/s of the bytes read.
+// Output: one line per (shape, variant): µs per call and TB/s of the bytes read.  Environment:
+// PROBE_GEMM_ONLY=1 times only the GEMM; PROBE_FOCUS=1 the per-warp bulk ring and batched
+// readers with emulated work (the experiment behind the GEMM's batched loads).  -DQF_AWQ_BATCH=n
+// builds the GEMM with another batch size.  Findings: benchmarks/notes_awq.md (v6).
 
 #include "awq_gemm/awq_gemm_kernels.cu"
 
@@ -419,27 +422,27 @@ int main() {
         run_stream<6, 1>(name, w, N, K, 4, sp, 4, wb, sink);
       }
     } else {
-    for (int bps : {2, 4, 0}) run_flat(w, N, K, bps, sms, wb, sink);
-    for (int sp : {1, 2, 4, 8}) {
-      std::snprintf(name, sizeof name, "stream P=6 w4 s%d 16w/SM", sp);
-      run_stream<6, 1>(name, w, N, K, 4, sp, 4, wb, sink);
-      std::snprintf(name, sizeof name, "stream P=12 w4 s%d 16w/SM", sp);
-      run_stream<12, 1>(name, w, N, K, 4, sp, 4, wb, sink);
-      std::snprintf(name, sizeof name, "stream P=6 V=2 w4 s%d 16w/SM", sp);
-      run_stream<6, 2>(name, w, N, K, 4, sp, 4, wb, sink);
-      std::snprintf(name, sizeof name, "stream P=6 w4 s%d 32w/SM", sp);
-      run_stream<6, 1>(name, w, N, K, 4, sp, 8, wb, sink);
-      std::snprintf(name, sizeof name, "stream P=12 w4 s%d 24w/SM", sp);
-      run_stream<12, 1>(name, w, N, K, 4, sp, 6, wb, sink);
-      std::snprintf(name, sizeof name, "k-major P=6 w4 s%d 16w/SM", sp);
-      run_stream<6, 1, 1>(name, w, N, K, 4, sp, 4, wb, sink);
-      std::snprintf(name, sizeof name, "warp-interleaved P=6 w4 s%d 16w/SM", sp);
-      run_stream<6, 1, 2>(name, w, N, K, 4, sp, 4, wb, sink);
-      run_bulk<8, 4096>(w, N, K, 4, sp, wb, sink);
-      run_bulk<4, 8192>(w, N, K, 4, sp, wb, sink);
-      run_bulk<8, 8192>(w, N, K, 4, sp, wb, sink);
-      run_bulk<6, 16384>(w, N, K, 4, sp, wb, sink);
-    }
+      for (int bps : {2, 4, 0}) run_flat(w, N, K, bps, sms, wb, sink);
+      for (int sp : {1, 2, 4, 8}) {
+        std::snprintf(name, sizeof name, "stream P=6 w4 s%d 16w/SM", sp);
+        run_stream<6, 1>(name, w, N, K, 4, sp, 4, wb, sink);
+        std::snprintf(name, sizeof name, "stream P=12 w4 s%d 16w/SM", sp);
+        run_stream<12, 1>(name, w, N, K, 4, sp, 4, wb, sink);
+        std::snprintf(name, sizeof name, "stream P=6 V=2 w4 s%d 16w/SM", sp);
+        run_stream<6, 2>(name, w, N, K, 4, sp, 4, wb, sink);
+        std::snprintf(name, sizeof name, "stream P=6 w4 s%d 32w/SM", sp);
+        run_stream<6, 1>(name, w, N, K, 4, sp, 8, wb, sink);
+        std::snprintf(name, sizeof name, "stream P=12 w4 s%d 24w/SM", sp);
+        run_stream<12, 1>(name, w, N, K, 4, sp, 6, wb, sink);
+        std::snprintf(name, sizeof name, "k-major P=6 w4 s%d 16w/SM", sp);
+        run_stream<6, 1, 1>(name, w, N, K, 4, sp, 4, wb, sink);
+        std::snprintf(name, sizeof name, "warp-interleaved P=6 w4 s%d 16w/SM", sp);
+        run_stream<6, 1, 2>(name, w, N, K, 4, sp, 4, wb, sink);
+        run_bulk<8, 4096>(w, N, K, 4, sp, wb, sink);
+        run_bulk<4, 8192>(w, N, K, 4, sp, wb, sink);
+        run_bulk<8, 8192>(w, N, K, 4, sp, wb, sink);
+        run_bulk<6, 16384>(w, N, K, 4, sp, wb, sink);
+      }
     }
     // the GEMM itself as the op launches it (cluster split-K), chosen and forced splits
     std::vector<uint32_t*> packed(copies);
