@@ -14,8 +14,8 @@ For (N, K) in the four Llama layer shapes and M in {1, 16, 32, 64, 128, 256, 102
 fp16 activations, group size 128.  Each timed call runs as a CUDA graph that loops over
 enough input copies (weights included) to exceed twice the 50 MB L2, so no call reads a
 weight from L2 left there by the previous one; host launch overhead is excluded for
-every path alike.  Times are medians of triton.testing.do_bench(return_mode="median"),
-divided by the copies per replay.  Effective TB/s counts the int4 weight, scales and
+every path alike.  Times are medians of CUDA-event-timed replays (no L2 flush between
+them; benchmarks/timing.py), divided by the copies per replay.  Effective TB/s counts the int4 weight, scales and
 zeros bytes once.
 
     PYTHONPATH=. python benchmarks/bench_awq.py --out DIR

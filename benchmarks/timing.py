@@ -3,10 +3,12 @@
 Two ways to keep a call from reading its weight out of the 50 MB L2:
 
 * ``rotating(calls)``: the calls (closures over distinct input sets whose bytes together
-  exceed twice the L2) are captured in one CUDA graph; the median replay time is divided by
-  the number of calls.  This is what a model sees (each layer reads weights no one read
-  recently, the lines left in L2 are clean) and it excludes host launch overhead for every
-  path alike.  METHOD.md's "rotate among several input sets".
+  exceed twice the L2) are captured in one CUDA graph; the median replay time (CUDA events,
+  no flush between replays) is divided by the number of calls.  This is what a model sees
+  (each layer reads weights no one read recently, the lines left in L2 are clean) and it
+  excludes host launch overhead for every path alike.  METHOD.md's "rotate among several
+  input sets".  (triton's do_bench is not used here: its flush before every replay would
+  leave the first call of each replay writing back dirty lines.)
 * ``flushed(fn)``: ``triton.testing.do_bench``, which zero-fills a 256 MB buffer before every
   call.  That leaves the L2 full of dirty lines, so a memory-bound call first writes back up
   to 50 MB it never touched: at 4096 x 4096 int8 (16.8 MB) that doubles the DRAM traffic.
@@ -34,10 +36,8 @@ def flushed(fn) -> float:
     return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
 
 
-def rotating(calls) -> float:
+def rotating(calls, reps: int = 60) -> float:
     """Median µs of one call; ``calls`` are closures over distinct inputs, replayed as one graph."""
-    from triton.testing import do_bench
-
     for c in calls:  # warm up outside the graph (builds, caches, autotuning)
         c()
     torch.cuda.synchronize()
@@ -52,9 +52,19 @@ def rotating(calls) -> float:
         for c in calls:
             c()
     torch.cuda.synchronize()
-    ms = do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
     del graph
-    return ms * 1000.0 / len(calls)
+    times.sort()
+    return times[len(times) // 2] * 1000.0 / len(calls)
 
 
 def copy_bandwidth() -> float:
