@@ -160,6 +160,7 @@ def main():
         "group_size": G,
         "dtype": "float16 (tinygemm: bfloat16)",
     }
+    os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_awq.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     md = render(meta, rows)
