@@ -3,8 +3,9 @@
 // * awq_gemm_kernel (small M): streams the repacked int4 weights once (16-byte evict-first
 //   loads issued in contiguous batches, double-buffered in registers), dequantizes them in
 //   registers (lop3 + magic number, zeros and scales in half2/bfloat162 math) straight into
-//   mma.sync.m16n8k16 A fragments, and accumulates in fp32.  A block owns a 64-row strip of N; its warps and, when
-//   the strips cannot fill the GPU, a cluster of blocks split K (details at the kernel).
+//   mma.sync.m16n8k16 A fragments, and accumulates in fp32.  A block owns a 64-row strip of
+//   N; its warps and, when the strips cannot fill the GPU, a cluster of blocks split K
+//   (details at the kernel).
 // * awq_dequantize_kernel: the original AWQ layout to a dense [K, N] weight.
 // * awq_repack_kernel: the original AWQ layout to the GEMM's fragment layout.
 
