@@ -114,11 +114,10 @@ def main() -> int:
                                 out_dtype=torch.bfloat16)
 
     for N, K in nk_list:
-        # distinct weights per copy (int8 + fp8 counted; bf16 cuBLAS gets its own copies)
+        # distinct weights per copy: int8 + fp8 (2NK bytes) per set, and as many bf16 (2NK) for cuBLAS
         n_sets = 1 if args.timer == "flush" else copies_for(2 * N * K)
         wsets = [weights(N, K) for _ in range(n_sets)]
-        n_bf = 1 if args.timer == "flush" else copies_for(2 * N * K)
-        wbf = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(n_bf)]
+        wbf = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(n_sets)]
         for M in m_list:
             sets = [activations(w, M, K) for w in wsets]
             bf_sets = [(torch.randn(M, K, device="cuda", dtype=torch.bfloat16), w) for w in wbf]

@@ -10,8 +10,8 @@ Two ways to keep a call from reading its weight out of the 50 MB L2:
   input sets".  (triton's do_bench is not used here: its flush before every replay would
   leave the first call of each replay writing back dirty lines.)
 * ``flushed(fn)``: ``triton.testing.do_bench``, which zero-fills a 256 MB buffer before every
-  call.  That leaves the L2 full of dirty lines, so a memory-bound call first writes back up
-  to 50 MB it never touched: at 4096 x 4096 int8 (16.8 MB) that doubles the DRAM traffic.
+  call.  That leaves the L2 full of dirty lines, so a memory-bound call also writes back
+  lines it never touched (H100, int8 4096 x 4096 at M = 1: 12-20% slower than rotating).
   ../shared/BASELINES.md was measured this way, so it stays available for comparison.
 """
 
