@@ -32,6 +32,23 @@
 
 namespace {
 
+// The GEMM's partition (awq_gemm_kernel): block (split, strip) owns K-steps [kb, ke) of its
+// strip, split evenly over `splits` blocks; warp w of W owns the contiguous [wb, we) of that.
+struct Partition {
+  int kb, ke, wb, we;
+};
+__device__ __forceinline__ Partition gemm_partition(int KT, int W) {
+  const int splits = gridDim.x;
+  const int per_block = (KT + splits - 1) / splits;
+  Partition p;
+  p.kb = min(KT, (int)blockIdx.x * per_block);
+  p.ke = min(KT, p.kb + per_block);
+  const int per_warp = (p.ke - p.kb + W - 1) / W;
+  p.wb = min(p.ke, p.kb + (int)(threadIdx.x >> 5) * per_warp);
+  p.we = min(p.ke, p.wb + per_warp);
+  return p;
+}
+
 // Each warp reads `steps` consecutive chunks of V x 512 bytes starting at its own offset (the
 // GEMM's strip / split / warp partition), P chunks in flight per lane; the XOR of everything
 // is written only if it equals a value random data never gives, so nothing is optimised away.
@@ -41,15 +58,11 @@ namespace {
 // the block's warps interleaved step by step (each block reads 2 KB runs).
 template <int P, int V, int L = 0>
 __global__ void stream_read(const uint4* __restrict__ w, int KT, int W, unsigned* __restrict__ sink) {
-  const int splits = gridDim.x;
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
-  const int per_block = (KT + splits - 1) / splits;
-  const int kb = min(KT, (int)blockIdx.x * per_block);
-  const int ke = min(KT, kb + per_block);
-  const int per_warp = (ke - kb + W - 1) / W;
-  const int wb = L == 2 ? kb + warp : min(ke, kb + warp * per_warp);
-  const int we = L == 2 ? ke : min(ke, wb + per_warp);
+  const Partition part = gemm_partition(KT, W);
+  const int wb = L == 2 ? part.kb + warp : part.wb;
+  const int we = L == 2 ? part.ke : part.we;
   const int strips = gridDim.y;
   const uint4* base = L == 1 ? w + (size_t)blockIdx.y * 32 + lane : w + (size_t)blockIdx.y * KT * 32 + lane;
   const size_t step = L == 1 ? (size_t)strips * 32 : 32;
@@ -96,46 +109,48 @@ __global__ void flat_read(const uint4* __restrict__ w, size_t n16, unsigned* __r
 // flight are set by the ring, not by registers or per-lane requests.
 __device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
 
+// Ring primitives shared by the two bulk readers.
+__device__ __forceinline__ void bars_init(uint64_t* bars, int n) {
+  for (int i = 0; i < n; ++i) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&bars[i])));
+  asm volatile("fence.mbarrier_init.release.cluster;");
+}
+
+// bytes from src into dst (shared), completion counted on bar.
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, int bytes, uint64_t* bar) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   smem_addr(dst)),
+               "l"(src), "r"(bytes), "r"(smem_addr(bar))
+               : "memory");
+}
+
+__device__ __forceinline__ void bar_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done = 0;
+  while (!done)
+    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                 : "=r"(done)
+                 : "r"(smem_addr(bar)), "r"(parity)
+                 : "memory");
+}
+
 template <int S, int CH>
 __global__ void bulk_read(const uint4* __restrict__ w, int KT, unsigned* __restrict__ sink) {
   extern __shared__ __align__(128) uint8_t ring[];
   __shared__ __align__(8) uint64_t full[S];
-  const int splits = gridDim.x;
-  const int per_block = (KT + splits - 1) / splits;
-  const int kb = min(KT, (int)blockIdx.x * per_block);
-  const int ke = min(KT, kb + per_block);
+  const Partition part = gemm_partition(KT, 1);
+  const int kb = part.kb, ke = part.ke;
   const char* src = reinterpret_cast<const char*>(w + (size_t)blockIdx.y * KT * 32) + (size_t)kb * 512;
   const int bytes = (ke - kb) * 512;
   const int chunks = (bytes + CH - 1) / CH;
-  if (threadIdx.x == 0) {
-    for (int i = 0; i < S; ++i)
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&full[i])));
-    asm volatile("fence.mbarrier_init.release.cluster;");
-  }
+  if (threadIdx.x == 0) bars_init(full, S);
   __syncthreads();
-  auto issue = [&](int c, int st) {
-    const int n = min(CH, bytes - c * CH);
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(&full[st])), "r"(n)
-                 : "memory");
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-            smem_addr(ring + st * CH)),
-        "l"(src + (size_t)c * CH), "r"(n), "r"(smem_addr(&full[st]))
-        : "memory");
-  };
+  auto issue = [&](int c, int st) { bulk_load(ring + st * CH, src + (size_t)c * CH, min(CH, bytes - c * CH), &full[st]); };
   if (threadIdx.x == 0)
     for (int c = 0; c < min(S, chunks); ++c) issue(c, c);
   unsigned acc = 0;
   for (int c = 0; c < chunks; ++c) {
     const int st = c % S;
-    const uint32_t parity = (c / S) & 1;
-    uint32_t done = 0;
-    while (!done)
-      asm volatile(
-          "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-          : "=r"(done)
-          : "r"(smem_addr(&full[st])), "r"(parity)
-          : "memory");
+    bar_wait(&full[st], (c / S) & 1);
     const int n = min(CH, bytes - c * CH);
     const uint4* stage = reinterpret_cast<const uint4*>(ring + st * CH);
     for (int i = threadIdx.x; i < n / 16; i += blockDim.x) {
@@ -155,34 +170,18 @@ template <int STAGES>
 __global__ void warp_bulk_read(const uint4* __restrict__ w, int KT, int W, int work, unsigned* __restrict__ sink) {
   extern __shared__ __align__(128) uint8_t ring[];
   __shared__ __align__(8) uint64_t full[32][STAGES];
-  const int splits = gridDim.x;
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
-  const int per_block = (KT + splits - 1) / splits;
-  const int kb = min(KT, (int)blockIdx.x * per_block);
-  const int ke = min(KT, kb + per_block);
-  const int per_warp = (ke - kb + W - 1) / W;
-  const int wb = min(ke, kb + warp * per_warp);
-  const int we = min(ke, wb + per_warp);
+  const Partition part = gemm_partition(KT, W);
+  const int wb = part.wb, we = part.we;
   const char* src = reinterpret_cast<const char*>(w + ((size_t)blockIdx.y * KT + wb) * 32);
   const int bytes = (we - wb) * 512;
   const int chunks = (bytes + 4095) / 4096;
   uint8_t* my = ring + (size_t)warp * STAGES * 4096;
-  if (lane == 0) {
-    for (int i = 0; i < STAGES; ++i)
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&full[warp][i])));
-    asm volatile("fence.mbarrier_init.release.cluster;");
-  }
+  if (lane == 0) bars_init(full[warp], STAGES);
   __syncwarp();
   auto issue = [&](int c, int st) {
-    const int n = min(4096, bytes - c * 4096);
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(&full[warp][st])), "r"(n)
-                 : "memory");
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-            smem_addr(my + st * 4096)),
-        "l"(src + (size_t)c * 4096), "r"(n), "r"(smem_addr(&full[warp][st]))
-        : "memory");
+    bulk_load(my + st * 4096, src + (size_t)c * 4096, min(4096, bytes - c * 4096), &full[warp][st]);
   };
   if (lane == 0)
     for (int c = 0; c < min(STAGES, chunks); ++c) issue(c, c);
@@ -190,14 +189,7 @@ __global__ void warp_bulk_read(const uint4* __restrict__ w, int KT, int W, int w
   float f = (float)lane;
   for (int c = 0; c < chunks; ++c) {
     const int st = c % STAGES;
-    const uint32_t parity = (c / STAGES) & 1;
-    uint32_t done = 0;
-    while (!done)
-      asm volatile(
-          "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-          : "=r"(done)
-          : "r"(smem_addr(&full[warp][st])), "r"(parity)
-          : "memory");
+    bar_wait(&full[warp][st], (c / STAGES) & 1);
     const int n = min(4096, bytes - c * 4096) / 512;
     const uint4* stage = reinterpret_cast<const uint4*>(my + st * 4096) + lane;
     for (int i = 0; i < n; ++i) {
@@ -215,15 +207,9 @@ __global__ void warp_bulk_read(const uint4* __restrict__ w, int KT, int W, int w
 // loads, the warp B x 512 contiguous bytes), double-buffered; `work` as above.
 template <int B>
 __global__ void batch_read(const uint4* __restrict__ w, int KT, int W, int work, unsigned* __restrict__ sink) {
-  const int splits = gridDim.x;
-  const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
-  const int per_block = (KT + splits - 1) / splits;
-  const int kb = min(KT, (int)blockIdx.x * per_block);
-  const int ke = min(KT, kb + per_block);
-  const int per_warp = (ke - kb + W - 1) / W;
-  const int wb = min(ke, kb + warp * per_warp);
-  const int we = min(ke, wb + per_warp);
+  const Partition part = gemm_partition(KT, W);
+  const int wb = part.wb, we = part.we;
   const uint4* base = w + (size_t)blockIdx.y * KT * 32 + lane;
   uint4 a[B], b[B];
   unsigned acc = 0;
