@@ -10,7 +10,9 @@
 //        benchmarks/awq_stream_probe.cu -o awq_stream_probe && ./awq_stream_probe
 //
 // Output: one line per (shape, variant): µs per call and TB/s of the bytes read.  Environment:
-// PROBE_GEMM_ONLY=1 times only the GEMM; PROBE_FOCUS=1 the per-warp bulk ring and batched
+// PROBE_GEMM_ONLY=1 times only the GEMM (PROBE_SPLITS=1: also 3-8 splits, with and without a
+// cluster); PROBE_PLACEMENT=1 counts the SMs a cluster launch uses; PROBE_W8A8=1 times W8A8
+// decode request shapes (int8 [N, K] weights) instead; PROBE_FOCUS=1 the per-warp bulk ring and batched
 // readers with emulated work (the experiment behind the GEMM's batched loads).  -DQF_AWQ_BATCH=n
 // builds the GEMM with another batch size.  Findings: benchmarks/notes_awq.md (v6).
 
@@ -233,6 +235,56 @@ __global__ void batch_read(const uint4* __restrict__ w, int KT, int W, int work,
   if (acc == 0x9e3779b9u || f == 1234.5f) sink[threadIdx.x] = acc;
 }
 
+// Where a grid's blocks land: each block records its SM and then spins long enough for the whole
+// grid to be resident at once (so placement is the scheduler's, not an artefact of early exits).
+__global__ void __launch_bounds__(128) placement(unsigned* __restrict__ smid, long long spin) {
+  if (threadIdx.x == 0) {
+    unsigned id;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
+    smid[blockIdx.y * gridDim.x + blockIdx.x] = id;
+  }
+  const long long t0 = clock64();
+  while (clock64() - t0 < spin) {
+  }
+}
+
+// Blocks per SM of a (splits x strips) grid of 4-warp blocks, at most 4 per SM (the GEMM's
+// occupancy at M <= 8), launched as clusters of `splits` with the given policy, or plainly.
+void census(int strips, int splits, int sms, int policy, bool cluster) {
+  unsigned* d;
+  const int n = strips * splits;
+  CK(cudaMalloc(&d, n * 4));
+  const size_t smem = (size_t)(227 * 1024) / 4 - 1024;
+  CK(cudaFuncSetAttribute(placement, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(splits, strips);
+  cfg.blockDim = dim3(128);
+  cfg.dynamicSmemBytes = smem;
+  cudaLaunchAttribute attr[2];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = splits;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  attr[1].id = cudaLaunchAttributeClusterSchedulingPolicyPreference;
+  attr[1].val.clusterSchedulingPolicyPreference = static_cast<cudaClusterSchedulingPolicy>(policy);
+  cfg.attrs = attr;
+  cfg.numAttrs = cluster ? 2 : 0;
+  CK(cudaLaunchKernelEx(&cfg, placement, d, 200000LL));
+  CK(cudaDeviceSynchronize());
+  std::vector<unsigned> h(n);
+  CK(cudaMemcpy(h.data(), d, n * 4, cudaMemcpyDeviceToHost));
+  std::vector<int> per(sms, 0);
+  for (unsigned v : h) per[v % sms]++;
+  int used = 0, most = 0;
+  for (int c : per) {
+    used += c > 0;
+    most = std::max(most, c);
+  }
+  std::printf("placement %4d blocks (%d x %d) %-16s: %3d SMs used, at most %d blocks per SM\n", n, splits, strips,
+              cluster ? (policy == 1 ? "cluster spread" : "cluster default") : "no cluster", used, most);
+  CK(cudaFree(d));
+}
+
 __global__ void fill_random(uint32_t* p, size_t n, uint32_t seed) {
   for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
     uint32_t x = (uint32_t)i * 2654435761u ^ seed;
@@ -351,6 +403,95 @@ void run_stream(const char* name, const std::vector<uint4*>& bufs, int N, int K,
   std::printf("N=%5d K=%5d %-34s %7.1f us %5.2f TB/s\n", N, K, name, us, bytes / us * 1e-6);
 }
 
+// W8A8 decode request shapes (int8 weight [N, K] row-major, K bytes per row): a warp owns 8 x RP
+// rows and a K range; lane (g, t) loads, per 64-byte step, 16 bytes at k + 16t of rows g + 8p, the
+// mma.m16n8k32 A-fragment layout; each batch issues S steps back to back (8RP rows x 64S bytes),
+// double-buffered; `work` dependent FMAs per load stand in for the math.  Warp w of the grid takes
+// row tile w / ks and K part w % ks.
+template <int RP, int S>
+__global__ void __launch_bounds__(128) rows_read(const uint8_t* __restrict__ w, int N, int K, int ks, int work,
+                                                 unsigned* __restrict__ sink) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int wid = blockIdx.x * 4 + (threadIdx.x >> 5);
+  const int tile = wid / ks, part = wid % ks;
+  if (tile * 8 * RP >= N) return;
+  const int chunks = K / 64, per = (chunks + ks - 1) / ks;
+  const int cb = min(chunks, part * per), ce = min(chunks, cb + per);
+  const uint8_t* base[RP];
+#pragma unroll
+  for (int p = 0; p < RP; ++p) base[p] = w + (size_t)(tile * 8 * RP + 8 * p + g) * K + 16 * t;
+  uint4 a[RP][S], b[RP][S];
+  unsigned acc = 0;
+  float f = (float)lane;
+  auto load = [&](uint4 (&dst)[RP][S], int c) {
+#pragma unroll
+    for (int s = 0; s < S; ++s)
+#pragma unroll
+      for (int p = 0; p < RP; ++p)
+        if (c + s < ce) dst[p][s] = __ldcs(reinterpret_cast<const uint4*>(base[p] + (size_t)(c + s) * 64));
+  };
+  auto use = [&](const uint4 (&src)[RP][S], int c) {
+#pragma unroll
+    for (int s = 0; s < S; ++s)
+#pragma unroll
+      for (int p = 0; p < RP; ++p)
+        if (c + s < ce) {
+          acc ^= src[p][s].x ^ src[p][s].y ^ src[p][s].z ^ src[p][s].w;
+          for (int r = 0; r < work; ++r) f = fmaf(f, 1.0001f, (float)(acc & 7));
+        }
+  };
+  load(a, cb);
+  for (int c = cb; c < ce; c += 2 * S) {
+    load(b, c + S);
+    use(a, c);
+    load(a, c + 2 * S);
+    use(b, c + S);
+  }
+  if (acc == 0x9e3779b9u || f == 1234.5f) sink[threadIdx.x] = acc;
+}
+
+template <int RP, int S>
+void run_rows(const std::vector<uint4*>& bufs, int N, int K, int ks, int work, int blocks_per_sm, unsigned* sink) {
+  const size_t smem = smem_for(blocks_per_sm);
+  CK(cudaFuncSetAttribute(rows_read<RP, S>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  const int warps = N / (8 * RP) * ks;
+  const float us = time_graph((int)bufs.size(), [&](int c, cudaStream_t st) {
+    rows_read<RP, S><<<(warps + 3) / 4, 128, smem, st>>>(reinterpret_cast<const uint8_t*>(bufs[c]), N, K, ks, work,
+                                                          sink);
+  });
+  char name[64];
+  std::snprintf(name, sizeof name, "rows %2dx%4dB ks%d work %d %dw/SM", 8 * RP, 64 * S, ks, work, 4 * blocks_per_sm);
+  std::printf("int8 N=%5d K=%5d %-34s %7.1f us %5.2f TB/s\n", N, K, name, us, (double)N * K / us * 1e-6);
+}
+
+// The W8A8 shapes: int8 weights, flat reads for reference, then the request shapes above.
+void w8a8_shapes(int sms, unsigned* sink) {
+  const int shapes[4][2] = {{4096, 4096}, {6144, 4096}, {4096, 14336}, {28672, 4096}};
+  for (auto& sh : shapes) {
+    const int N = sh[0], K = sh[1];
+    const size_t bytes = (size_t)N * K;
+    const int copies = std::max(2, (int)((2.0 * 50 * (1 << 20) + bytes - 1) / bytes));
+    std::vector<uint4*> w(copies);
+    for (int c = 0; c < copies; ++c) {
+      CK(cudaMalloc(&w[c], bytes));
+      fill_random<<<1024, 256>>>(reinterpret_cast<uint32_t*>(w[c]), bytes / 4, 31u * c + 5);
+    }
+    CK(cudaDeviceSynchronize());
+    for (int bps : {4, 0}) run_flat(w, N, K, bps, sms, (double)bytes, sink);
+    for (int ks : {1, 2, 4, 8}) {
+      if (N / 16 * ks > 64 * sms) continue;
+      for (int work : {0, 4}) {
+        run_rows<2, 4>(w, N, K, ks, work, 4, sink);
+        run_rows<2, 8>(w, N, K, ks, work, 4, sink);
+        run_rows<4, 4>(w, N, K, ks, work, 4, sink);
+        run_rows<4, 2>(w, N, K, ks, work, 4, sink);
+        run_rows<4, 1>(w, N, K, ks, work, 8, sink);
+      }
+    }
+    for (int c = 0; c < copies; ++c) CK(cudaFree(w[c]));
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -363,7 +504,11 @@ int main() {
               prop.l2CacheSize >> 20, kBatch);
   unsigned* sink;
   CK(cudaMalloc(&sink, 4096));
-  const int shapes[3][2] = {{28672, 4096}, {4096, 14336}, {4096, 4096}};
+  if (std::getenv("PROBE_W8A8") != nullptr) {
+    w8a8_shapes(prop.multiProcessorCount, sink);
+    return 0;
+  }
+  const int shapes[4][2] = {{28672, 4096}, {4096, 14336}, {4096, 4096}, {6144, 4096}};
   for (auto& sh : shapes) {
     const int N = sh[0], K = sh[1], G = 128;
     const size_t wbytes = (size_t)N * K / 2;
@@ -391,7 +536,13 @@ int main() {
     const double wb = (double)wbytes;
     const int sms = prop.multiProcessorCount;
     char name[64];
-    if (std::getenv("PROBE_GEMM_ONLY") != nullptr) {
+    if (std::getenv("PROBE_PLACEMENT") != nullptr) {
+      const int strips = N / 64;
+      const int s = gemm_splits(DType::kHalf, 1, N, K, dev, 4);
+      census(strips, s, sms, 0, false);
+      census(strips, s, sms, 0, true);
+      census(strips, s, sms, 1, true);
+    } else if (std::getenv("PROBE_GEMM_ONLY") != nullptr) {
       // only the GEMM below
     } else if (std::getenv("PROBE_FOCUS") != nullptr) {
       run_flat(w, N, K, 2, sms, wb, sink);
@@ -433,22 +584,33 @@ int main() {
     // the GEMM itself as the op launches it (cluster split-K), chosen and forced splits
     std::vector<uint32_t*> packed(copies);
     for (int c = 0; c < copies; ++c) packed[c] = reinterpret_cast<uint32_t*>(w[c]);  // any bits will do
-    auto gemm = [&](int M, int warps, int splits) {
+    float* partial;  // split-K workspace of the non-cluster path
+    CK(cudaMalloc(&partial, (size_t)kMaxCluster * 16 * N * 4));
+    auto gemm = [&](int M, int warps, int splits, bool cluster = true) {
       const int s = splits > 0 ? splits : gemm_splits(DType::kHalf, M, N, K, dev, warps);
       const float us = time_graph(copies, [&](int c, cudaStream_t st) {
         CK(launch_gemm(DType::kHalf, x[c], packed[c], sc[c], reinterpret_cast<const uint32_t*>(zr[c]), nullptr,
-                       out[c], nullptr, M, N, K, G, s, warps, dev, true, st));
+                       out[c], partial, M, N, K, G, s, warps, dev, cluster, st));
       });
-      std::snprintf(name, sizeof name, "awq_gemm M=%d w%d s%d%s", M, warps, s, splits > 0 ? "" : " (chosen)");
+      std::snprintf(name, sizeof name, "awq_gemm M=%d w%d s%d%s%s", M, warps, s, splits > 0 ? "" : " (chosen)",
+                    cluster ? "" : " no cluster");
       std::printf("N=%5d K=%5d %-34s %7.1f us %5.2f TB/s (all bytes)\n", N, K, name, us, all_bytes / us * 1e-6);
     };
     for (int M : {1, 16})
       for (int warps : {4, 8}) gemm(M, warps, 0);
+    for (int M : {1, 16}) gemm(M, 4, 0, false);
+    if (std::getenv("PROBE_SPLITS") != nullptr)  // split counts the heuristic never picks
+      for (int M : {1, 16})
+        for (int sp : {3, 5, 6, 8}) {
+          gemm(M, 4, sp, true);
+          gemm(M, 4, sp, false);
+        }
     for (int sp : {1, 2, 4, 8}) gemm(1, 4, sp);
     for (int sp : {1, 2, 4}) gemm(16, 4, sp);
     for (int c = 0; c < copies; ++c) {
       CK(cudaFree(w[c])); CK(cudaFree(sc[c])); CK(cudaFree(zr[c])); CK(cudaFree(x[c])); CK(cudaFree(out[c]));
     }
+    CK(cudaFree(partial));
   }
   CK(cudaGetLastError());
   return 0;

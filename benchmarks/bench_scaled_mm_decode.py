@@ -1,6 +1,6 @@
 """Decode (M <= 16) W8A8 kernel: quantfuse::_scaled_mm_decode_cuda against the CUTLASS SM90
 kernel it replaces for small M, torch._scaled_mm (fp8) and torch._int_mm (int8, M padded to
-its minimum 17), with the work split (cluster size, warps per CTA, pipeline depth) swept.
+its minimum 17), with the work split (cluster size, warps per CTA) swept.
 Per-token x per-channel scales + bias, bf16 out.  Median µs per call, by default over CUDA-graph
 replays rotating among weight copies > 2x L2 (--timer flush: do_bench's L2 flush; see
 benchmarks/timing.py); DRAM fraction = (weight + activation + output bytes) / copy bandwidth / time.
@@ -24,10 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import copies_for, copy_bandwidth, flushed, rotating  # noqa: E402
 
 NK = ((4096, 4096), (6144, 4096), (4096, 14336), (28672, 4096))
-# (splits, warps per CTA, pipeline stages) forced through _scaled_mm_decode_tune; -1 = chosen
-# (a pipeline depth of 8 was measured too and is no longer instantiated; see the notes)
-VARIANTS = {"s1": (1, -1, -1), "s2": (2, -1, -1), "s4": (4, -1, -1), "s8": (8, -1, -1), "w2": (-1, 2, -1),
-            "w4": (-1, 4, -1), "w8": (-1, 8, -1), "s2w8": (2, 8, -1)}
+# (splits, warps per CTA, load batch) forced through _scaled_mm_decode_tune; -1 = chosen
+VARIANTS = {"w4": (-1, 4, -1), "w8": (-1, 8, -1), "w2": (-1, 2, -1), "s2": (2, -1, -1)}
 
 
 def main() -> int:

@@ -29,7 +29,7 @@ OUTS = (torch.float16, torch.bfloat16, torch.float32)
 INS = (torch.int8, torch.float8_e4m3fn)
 RTOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 2e-5}
 LLM_NK = ((4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336))
-SMALL_NK = ((64, 128), (192, 320), (72, 528))  # 72: not a multiple of the 32-channel tile
+SMALL_NK = ((64, 128), (192, 320), (72, 528))  # 72: not a multiple of the 16-channel tile
 # epilogue kinds: symmetric, per-tensor zero point (folded into azp_adj), per-token zero points
 EPIS = ("sym", "azp", "azptok")
 
@@ -184,12 +184,12 @@ def test_forced_splits(in_dtype):
                     first = out
                 assert torch.equal(out, first), f"int8 result depends on splits={splits} at {M}x{N}x{K}"
         # forced warp counts with and without clusters (benchmark knobs of the tuning op)
-        for splits, warps, stages in ((-1, 1, 4), (2, 1, 4), (1, 8, 4), (3, 2, 4), (8, 8, -1)):
+        for splits, warps, batch in ((-1, 1, 4), (2, 1, 4), (1, 8, 4), (3, 2, 4), (8, 8, -1)):
             poison(M, N, torch.float32)
-            out = torch.ops.quantfuse._scaled_mm_decode_tune(a, b, sa, sb, torch.float32, bias, splits, warps, stages)
+            out = torch.ops.quantfuse._scaled_mm_decode_tune(a, b, sa, sb, torch.float32, bias, splits, warps, batch)
             check(out, ref, torch.float32, in_dtype)
             if in_dtype == torch.int8:
-                assert torch.equal(out, first), f"int8 result depends on {(splits, warps, stages)} at {M}x{N}x{K}"
+                assert torch.equal(out, first), f"int8 result depends on {(splits, warps, batch)} at {M}x{N}x{K}"
 
 
 def test_config_choice():
@@ -197,9 +197,9 @@ def test_config_choice():
     partitions cover K."""
     sm90 = CAP >= (9, 0)
     for N, K in LLM_NK + SMALL_NK + ((32, 16),):
-        splits, warps, per_part, stages = torch.ops.quantfuse._scaled_mm_decode_config(N, K)
+        splits, warps, per_part, batch = torch.ops.quantfuse._scaled_mm_decode_config(N, K)
         chunks = (K + 63) // 64
-        assert 1 <= splits <= (8 if sm90 else 1) and 1 <= warps <= 8 and per_part >= 1 and stages == 4
+        assert 1 <= splits <= (8 if sm90 else 1) and 1 <= warps <= 8 and per_part >= 1 and batch == 4
         assert splits * warps * per_part >= chunks, (N, K, splits, warps, per_part)
         forced = torch.ops.quantfuse._scaled_mm_decode_config(N, K, 3)
         assert forced[0] == (min(3, chunks) if sm90 else 1)

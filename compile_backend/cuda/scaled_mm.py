@@ -1,9 +1,9 @@
 """CUDA dispatch for quantfuse.scaled_mm and quantfuse.scaled_mm_azp (csrc/scaled_mm/,
 csrc/scaled_mm_azp/): CUTLASS 3.x SM90 kernels (int8, fp8) on Hopper and CUTLASS 2.x
-SM80 kernels (int8) on other sm_80+ GPUs, all with epilogue visitor trees.  The
-hand-written weight-streaming decode kernel (``_scaled_mm_decode_cuda``) measured slower
-than the CUTLASS decode tile on the H100 (benchmarks/notes_scaled_mm_decode.md), so no M
-is routed to it (``DECODE_MAX_M = 0``); it stays, tested, for the next attempt.
+SM80 kernels (int8) on other sm_80+ GPUs, all with epilogue visitor trees.  Up to
+``DECODE_MAX_M`` rows of activations run the hand-written weight-streaming decode kernel
+(``_scaled_mm_decode_cuda``) instead, where the H100 measured it faster than the CUTLASS
+decode tile (benchmarks/notes_scaled_mm_decode.md).
 
 ``supports`` returns None when the kernel can take the inputs, else the reason it
 cannot (``kernels.try_cuda`` then logs it and runs the reference).  It never raises:
@@ -85,10 +85,11 @@ def supports_azp(a, b, scale_a, scale_b, out_dtype, azp_adj, azp=None, bias=None
 
 
 # Decode (small M): the weight-streaming mma.sync kernel (csrc/scaled_mm/scaled_mm_decode*)
-# instead of CUTLASS, up to this many rows of a (the kernel takes M <= 16).  0 = off: on the
-# H100 it is still 1.15-1.35x slower than the CUTLASS swapped decode config at M = 1 and 16
-# on every LLM shape measured (benchmarks/notes_scaled_mm_decode.md); set to 16 to route.
-DECODE_MAX_M = 0
+# instead of CUTLASS, up to this many rows of a (the kernel takes M <= 16; 0 turns it off).
+# H100, bf16 out, M = 1: 4-9% faster than the CUTLASS decode tile on the four LLM shapes
+# (int8 and fp8); M = 16 (two token tiles, half the resident warps): up to 20% slower on
+# three of them, so M > 8 stays on CUTLASS (benchmarks/notes_scaled_mm_decode.md, v3).
+DECODE_MAX_M = 8
 
 
 def _decode_reason(a, b) -> str | None:

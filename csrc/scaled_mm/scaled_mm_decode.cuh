@@ -1,34 +1,34 @@
 // W8A8 decode kernel (M <= 16): streams the weight once through mma.sync tensor-core
 // instructions (int8: m16n8k32 s8 x s8 -> s32, sm_80+; fp8 e4m3: m16n8k32 e4m3 x e4m3 ->
-// f32, sm_89+).  Measured on the H100: 31-63% of DRAM bandwidth, slower than the CUTLASS
-// decode config, so not routed by default (benchmarks/notes_scaled_mm_decode.md).
+// f32, sm_89+).  Whether the public ops route here is decided in compile_backend/cuda/
+// scaled_mm.py from H100 measurements (benchmarks/notes_scaled_mm_decode.md).
 //
 // Roles (a "swapped" product, D^T = W A^T): the WEIGHT [N, K] (row-major; b is its
 // transpose) is the mma A operand, 16 output channels per m16 tile; the activations are
 // the B operand, 8 tokens per n8 tile (M <= 8: one tile, M <= 16: two).
 //
 // K permutation, no repack.  In a warp, lane (g = lane / 4, t = lane % 4) loads 16
-// contiguous bytes at k = c*64 + t*16 of weight rows g and g+8 of each m16 tile, and the
-// same 16 bytes of token g of each n8 tile.  The m16n8k32 fragments want, per lane, rows g
-// and g+8 at logical k {4t..4t+3} and {16+4t..16+4t+3}; two mma per 64-byte chunk take
+// contiguous bytes at k = c*64 + t*16 of weight rows g and g+8 of the warp's m16 tile, and
+// the same 16 bytes of token g of each n8 tile.  The m16n8k32 fragments want, per lane, rows
+// g and g+8 at logical k {4t..4t+3} and {16+4t..16+4t+3}; two mma per 64-byte chunk take
 // bytes 0-7 and 8-15 of the lane's 16: logical k 4t+i <-> physical t*16+8h+i and
 // 16+4t+i <-> t*16+8h+4+i (mma h = 0, 1).  Weights and activations use the same map, so
 // the dot products are unchanged and every loaded register is a fragment register as is.
 //
-// Work split (DecodeConfig, scaled_mm_decode.h): a warp owns 32 channels (two m16 tiles)
+// Work split (DecodeConfig, scaled_mm_decode.h): a warp owns 16 channels (one m16 tile)
 // and a contiguous range of 64-byte K chunks; the warps of a CTA split K, and on sm_90 so
 // can the up to 8 CTAs of a thread-block cluster (forced `splits`; the automatic choice
-// uses none: measured slower).  Partial sums go to shared memory; after
-// a cluster barrier each CTA reduces a slice of the 32 x 8*NT outputs over every warp of
-// every CTA of its cluster through distributed shared memory, in a fixed order (bitwise
-// reproducible), applies the epilogue and stores.  No workspace, no second kernel.
+// uses none).  Partial sums go to shared memory; after a cluster barrier each CTA reduces
+// a slice of the 16 x 8*NT outputs over every warp of every CTA of its cluster through
+// distributed shared memory, in a fixed order (bitwise reproducible), applies the epilogue
+// and stores.  No workspace, no second kernel.
 //
-// Loads: a kStages-deep cp.async pipeline per warp (16-byte copies global -> shared, L2
-// only; zero-fill past K): kStages - 1 chunks of weights and activations in flight while
-// one is consumed; each lane reads back (ld.shared.v4) exactly the 16-byte pieces it
-// copied, which are its fragment registers.  (Plain register loads were tried first: ptxas
-// interleaves them with the mma that consume them, leaving a few loads in flight per warp:
-// 27-42% of DRAM bandwidth on the H100; see benchmarks/notes_scaled_mm_decode.md.)
+// Loads: registers, in batches of kBatch chunks issued back to back (the warp asks for 16
+// rows x 256 bytes at once), double-buffered: the next batch is in flight while this one
+// feeds the mma.  On the H100 the request shape decides the bandwidth
+// (benchmarks/awq_stream_probe.cu, PROBE_W8A8, with a stand-in for the math): 16 rows x
+// 256 B per warp-batch read the 28672 x 4096 weight at 2.45 TB/s, 32 rows x 64 B at a time
+// (the shape of this kernel's earlier cp.async pipeline) at 1.9.
 //
 // Epilogue: a tree of small functors (the idea of CUTLASS's epilogue visitor trees, see
 // epilogue_sm90.cuh), evaluated per output element on the reduced accumulator:
@@ -165,24 +165,9 @@ struct KernelArgs {
   void* d;           // [M, N], row pitch ldd elements
   int M, N, K;
   int64_t lda, ldb, ldd;
-  int splits;           // CTAs per cluster along K (gridDim.x = splits * N / 32 rounded up)
+  int splits;           // CTAs per cluster along K (gridDim.x = splits * N / 16 rounded up)
   int chunks_per_part;  // 64-byte K chunks per (CTA, warp)
 };
-
-// 16-byte asynchronous copy global -> shared (L2 only); src_bytes = 0 writes zeros.
-__device__ __forceinline__ void cp_async16(uint32_t dst, const uint8_t* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-__device__ __forceinline__ uint4 lds128(uint32_t addr) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
-  return v;
-}
 
 template <bool kFp8>
 struct Mma;
@@ -219,22 +204,31 @@ struct Mma<true> {
   }
 };
 
-constexpr int kRedPitch = 36;  // row pitch (words) of the partial sums: conflict-free writes
+// Row pitch (words) of a warp's partial sums red[token][channel]: the C fragment stores of
+// lanes (g, t) hit word 2t * 20 + g (mod 32), all different.
+constexpr int kRedPitch = 20;
 
-// Shared memory per warp: kStages slots of (4 weight + NT activation) pieces of 32 lanes x
-// 16 bytes; after the mainloop the warp's partial sums reuse its own slots.
-template <int NT, int kStages>
-constexpr int warp_smem_bytes() {
-  return kStages * (4 + NT) * 32 * 16;
+template <int NT>
+__host__ __device__ constexpr int warp_smem_bytes() {
+  return 8 * NT * kRedPitch * 4;
 }
 
-template <bool kFp8, int NT, int kStages, class Out, class Epi>
-__global__ void __launch_bounds__(kMaxWarps * 32) scaled_mm_decode_kernel(const KernelArgs args, const Epi epi) {
+// Loads of one batch: kBatch 64-byte chunks of the warp's K range; per chunk and lane the 16
+// bytes of weight rows g and g + 8 and of token g of each n8 tile.  Chunks past the range or
+// past K are zeros (no memory access).
+template <int kBatch, int NT>
+struct Batch {
+  uint4 w[kBatch][2];
+  uint4 x[kBatch][NT];
+};
+
+template <bool kFp8, int NT, int kBatch, class Out, class Epi>
+// One token tile: 128 registers (16 warps per SM).  Two: ~208 (8 warps per SM); loading their
+// activations at use instead of a batch ahead gave 128 registers but measured 5-15% slower.
+__global__ void __launch_bounds__(kMaxWarps * 32, NT == 1 ? 2 : 1)
+    scaled_mm_decode_kernel(const KernelArgs args, const Epi epi) {
   using Acc = typename Mma<kFp8>::Acc;
   constexpr int kTokens = 8 * NT;
-  constexpr int kPieces = 4 + NT;
-  constexpr int kWarpBytes = warp_smem_bytes<NT, kStages>();
-  static_assert(kTokens * kRedPitch * 4 <= kWarpBytes, "partials must fit in the warp's slots");
   extern __shared__ __align__(16) uint8_t smem[];
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
@@ -249,80 +243,74 @@ __global__ void __launch_bounds__(kMaxWarps * 32) scaled_mm_decode_kernel(const 
   const int c0 = (rank * warps + warp) * args.chunks_per_part;
   const int c_end = min(chunks, c0 + args.chunks_per_part);
 
-  // Global pointers at chunk c0 (wp[i], i = 2r + h: row n0 + 16r + 8h + g = row g / g+8 of
-  // m16 tile r); rows past N and tokens past M re-read the last valid one (never stored).
-  const int64_t koff = int64_t(c0) * kChunkBytes + t * 16;
-  const uint8_t* src[kPieces];
+  // Row pointers at k = 16t: weight rows n0 + g, n0 + g + 8, token rows 8j + g; rows past N
+  // and tokens past M re-read the last valid one (never stored).
+  const uint8_t* wrow[2];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) src[i] = args.b + int64_t(min(n0 + 8 * i + g, N - 1)) * args.ldb + koff;
+  for (int h = 0; h < 2; ++h) wrow[h] = args.b + int64_t(min(n0 + 8 * h + g, N - 1)) * args.ldb + t * 16;
+  const uint8_t* xrow[NT];
 #pragma unroll
-  for (int j = 0; j < NT; ++j) src[4 + j] = args.a + int64_t(min(8 * j + g, M - 1)) * args.lda + koff;
+  for (int j = 0; j < NT; ++j) xrow[j] = args.a + int64_t(min(8 * j + g, M - 1)) * args.lda + t * 16;
 
-  const uint32_t warp_smem = static_cast<uint32_t>(__cvta_generic_to_shared(smem)) + warp * kWarpBytes;
-  const uint32_t lane_smem = warp_smem + lane * 16;
-  // Piece p of slot s of this lane: lane_smem + (s * kPieces + p) * 512.
-  auto issue = [&](int c) {  // copies of chunk c (< c_end) into its slot; K tail -> zeros
-    const int k = c - c0;
-    const int bytes = c * kChunkBytes + t * 16 < K ? 16 : 0;
-    const uint32_t dst = lane_smem + (unsigned(k) % kStages) * kPieces * 512;
+  auto load = [&](Batch<kBatch, NT>& bt, int c) {
 #pragma unroll
-    for (int p = 0; p < kPieces; ++p) cp_async16(dst + p * 512, src[p] + int64_t(k) * kChunkBytes, bytes);
+    for (int u = 0; u < kBatch; ++u) {
+      const int cc = c + u;
+      const bool ok = cc < c_end && cc * kChunkBytes + t * 16 < K;
+      const int64_t off = int64_t(cc) * kChunkBytes;
+      const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+      // The weight is read once: evict-first.  The activations are re-read by every row tile.
+#pragma unroll
+      for (int h = 0; h < 2; ++h) bt.w[u][h] = ok ? __ldcs(reinterpret_cast<const uint4*>(wrow[h] + off)) : zero;
+#pragma unroll
+      for (int j = 0; j < NT; ++j) bt.x[u][j] = ok ? __ldg(reinterpret_cast<const uint4*>(xrow[j] + off)) : zero;
+    }
   };
 
-  Acc acc[2][NT][4];
+  Acc acc[NT][4];
 #pragma unroll
-  for (int r = 0; r < 2; ++r)
+  for (int j = 0; j < NT; ++j)
 #pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-      for (int q = 0; q < 4; ++q) acc[r][j][q] = Acc(0);
+    for (int q = 0; q < 4; ++q) acc[j][q] = Acc(0);
 
-  // kStages-deep pipeline: kStages - 1 chunks in flight while one is consumed.  Each lane
-  // reads back only what it copied itself, so its own cp.async.wait_group is the only sync.
+  auto use = [&](const Batch<kBatch, NT>& bt, int c) {
 #pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (c0 + s < c_end) issue(c0 + s);
-    cp_async_commit();
-  }
-  for (int c = c0; c < c_end; ++c) {
-    cp_async_wait<kStages - 2>();  // chunk c has landed
-    const uint32_t slot = lane_smem + (unsigned(c - c0) % kStages) * kPieces * 512;
-    uint4 f[kPieces];
-#pragma unroll
-    for (int p = 0; p < kPieces; ++p) f[p] = lds128(slot + p * 512);
-    if (c + kStages - 1 < c_end) issue(c + kStages - 1);  // into the slot read last iteration
-    cp_async_commit();
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const uint4 lo = f[2 * r], hi = f[2 * r + 1];  // rows g, g+8 of m16 tile r
+    for (int u = 0; u < kBatch; ++u) {
+      if (c + u >= c_end) break;  // warp-uniform
+      const uint4 lo = bt.w[u][0], hi = bt.w[u][1];  // rows g, g + 8
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
-        const uint4 x = f[4 + j];
-        Mma<kFp8>::run(acc[r][j], lo.x, hi.x, lo.y, hi.y, x.x, x.y);
-        Mma<kFp8>::run(acc[r][j], lo.z, hi.z, lo.w, hi.w, x.z, x.w);
+        const uint4 x = bt.x[u][j];
+        Mma<kFp8>::run(acc[j], lo.x, hi.x, lo.y, hi.y, x.x, x.y);
+        Mma<kFp8>::run(acc[j], lo.z, hi.z, lo.w, hi.w, x.z, x.w);
       }
     }
-  }
-  cp_async_wait<0>();
-  __syncwarp();  // every lane's reads of the slots are done before they hold partial sums
+  };
 
-  // Partial sums to this warp's slots: red(w)[token][channel - n0], pitch kRedPitch.
-  // C fragment of m16n8 tile (r, j): c0, c1 at channel 16r + g, tokens 8j + 2t + {0, 1};
-  // c2, c3 at channel 16r + g + 8.
-  Acc* red = reinterpret_cast<Acc*>(smem + warp * kWarpBytes);
+  // Double-buffered batches: the next batch's loads are all issued before this one's mma.
+  Batch<kBatch, NT> b0, b1;
+  load(b0, c0);
+  for (int c = c0; c < c_end; c += 2 * kBatch) {
+    load(b1, c + kBatch);
+    use(b0, c);
+    load(b0, c + 2 * kBatch);
+    use(b1, c + kBatch);
+  }
+
+  // Partial sums to this warp's shared memory: red(w)[token][channel - n0], pitch kRedPitch.
+  // C fragment of m16n8 tile j: c0, c1 at channel g, tokens 8j + 2t + {0, 1}; c2, c3 at g + 8.
+  constexpr int kWarpWords = warp_smem_bytes<NT>() / 4;
+  Acc* red = reinterpret_cast<Acc*>(smem) + warp * kWarpWords;
 #pragma unroll
-  for (int r = 0; r < 2; ++r)
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-      const int n = 16 * r + g, m = 8 * j + 2 * t;
-      red[m * kRedPitch + n] = acc[r][j][0];
-      red[(m + 1) * kRedPitch + n] = acc[r][j][1];
-      red[m * kRedPitch + n + 8] = acc[r][j][2];
-      red[(m + 1) * kRedPitch + n + 8] = acc[r][j][3];
-    }
+  for (int j = 0; j < NT; ++j) {
+    const int m = 8 * j + 2 * t;
+    red[m * kRedPitch + g] = acc[j][0];
+    red[(m + 1) * kRedPitch + g] = acc[j][1];
+    red[m * kRedPitch + g + 8] = acc[j][2];
+    red[(m + 1) * kRedPitch + g + 8] = acc[j][3];
+  }
 
   constexpr int kOutputs = kTokens * kRowsPerWarp;
-  constexpr int kWarpWords = kWarpBytes / 4;
   auto finish = [&](int m, int nl, Acc sum) {
     const int n = n0 + nl;
     Out* d = static_cast<Out*>(args.d) + int64_t(m) * args.ldd + n;
@@ -362,7 +350,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32) scaled_mm_decode_kernel(const 
 
 // ------------------------------------------------------------------------ host launch
 
-template <bool kFp8, int NT, int kStages, class Out, class Epi>
+template <bool kFp8, int NT, int kBatch, class Out, class Epi>
 int launch_one(const ScaledMmParams& p, const DecodeConfig& c, int* cuda_error) {
   KernelArgs args;
   args.a = static_cast<const uint8_t*>(p.a);
@@ -378,18 +366,9 @@ int launch_one(const ScaledMmParams& p, const DecodeConfig& c, int* cuda_error) 
   args.chunks_per_part = c.chunks_per_part;
   const Epi epi = Epi::make(p);
   const int row_blocks = static_cast<int>((p.N + kRowsPerWarp - 1) / kRowsPerWarp);
-  auto* kernel = scaled_mm_decode_kernel<kFp8, NT, kStages, Out, Epi>;
-  const int smem = c.warps * warp_smem_bytes<NT, kStages>();
+  auto* kernel = scaled_mm_decode_kernel<kFp8, NT, kBatch, Out, Epi>;
+  const int smem = c.warps * warp_smem_bytes<NT>();  // <= 10 KB: no opt-in needed
   cudaError_t err = cudaSuccess;
-  if (smem > 48 * 1024) {  // opt in to large dynamic shared memory (once per kernel and device)
-    static bool opted_in[64] = {};
-    const int dev = p.device >= 0 && p.device < 64 ? p.device : 0;
-    if (!opted_in[dev]) {
-      err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 kMaxWarps * warp_smem_bytes<NT, kStages>());
-      opted_in[dev] = err == cudaSuccess;
-    }
-  }
 
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(row_blocks) * c.splits, 1, 1);
@@ -415,10 +394,11 @@ int launch_one(const ScaledMmParams& p, const DecodeConfig& c, int* cuda_error) 
 }
 
 template <bool kFp8, int NT, class Out, class Epi>
-int launch_stages(const ScaledMmParams& p, const DecodeConfig& c, int* cuda_error) {
-  // Only 4 stages are instantiated (8 measured slower on the H100: more shared memory per
-  // warp, fewer warps per SM); the switch keeps the depth a launch parameter.
-  switch (c.stages) {
+int launch_batch(const ScaledMmParams& p, const DecodeConfig& c, int* cuda_error) {
+  // Only batches of 4 chunks are instantiated (the H100 request-shape probe: 16 rows x 256
+  // bytes per warp at once; 8 chunks needs twice the load registers); the switch keeps the
+  // batch a launch parameter.
+  switch (c.batch) {
     case 4: return launch_one<kFp8, NT, 4, Out, Epi>(p, c, cuda_error);
     default: return kQUnsupported;
   }
@@ -430,14 +410,14 @@ int launch_tree(const ScaledMmParams& p, const DecodeConfig& c, int* cuda_error)
   const bool two = p.M > 8;
   switch (p.out_dtype) {
     case QDType::kF16:
-      return two ? launch_stages<kFp8, 2, __half, Tree<__half>>(p, c, cuda_error)
-                 : launch_stages<kFp8, 1, __half, Tree<__half>>(p, c, cuda_error);
+      return two ? launch_batch<kFp8, 2, __half, Tree<__half>>(p, c, cuda_error)
+                 : launch_batch<kFp8, 1, __half, Tree<__half>>(p, c, cuda_error);
     case QDType::kBF16:
-      return two ? launch_stages<kFp8, 2, __nv_bfloat16, Tree<__nv_bfloat16>>(p, c, cuda_error)
-                 : launch_stages<kFp8, 1, __nv_bfloat16, Tree<__nv_bfloat16>>(p, c, cuda_error);
+      return two ? launch_batch<kFp8, 2, __nv_bfloat16, Tree<__nv_bfloat16>>(p, c, cuda_error)
+                 : launch_batch<kFp8, 1, __nv_bfloat16, Tree<__nv_bfloat16>>(p, c, cuda_error);
     case QDType::kF32:
-      return two ? launch_stages<kFp8, 2, float, Tree<float>>(p, c, cuda_error)
-                 : launch_stages<kFp8, 1, float, Tree<float>>(p, c, cuda_error);
+      return two ? launch_batch<kFp8, 2, float, Tree<float>>(p, c, cuda_error)
+                 : launch_batch<kFp8, 1, float, Tree<float>>(p, c, cuda_error);
     default:
       return kQUnsupported;
   }

@@ -12,9 +12,9 @@
 namespace quantfuse::decode {
 
 // Geometry of the kernel (scaled_mm_decode.cuh): each warp owns kRowsPerWarp output
-// channels (two m16 tensor-core tiles of weight rows) and a contiguous range of K chunks of
+// channels (one m16 tensor-core tile of weight rows) and a contiguous range of K chunks of
 // kChunkBytes; a CTA's warps split K, and so do the CTAs of one thread-block cluster.
-constexpr int kRowsPerWarp = 32;
+constexpr int kRowsPerWarp = 16;
 constexpr int kChunkBytes = 64;  // K bytes per warp step: 4 lanes x 16 bytes per weight row
 constexpr int kMaxWarps = 8;     // warps per CTA
 constexpr int kMaxSplits = 8;    // CTAs per cluster along K (portable cluster size limit)
@@ -24,31 +24,37 @@ struct DecodeConfig {
   int splits = 1;           // CTAs of one cluster along K (1: no cluster)
   int warps = 4;            // warps per CTA, each a K partition
   int chunks_per_part = 1;  // K chunks per (CTA, warp) partition
-  int stages = 4;           // cp.async pipeline depth in chunks (only 4 is instantiated)
+  int batch = 4;            // chunks per batch of register loads (only 4 is instantiated)
 };
 
-// The work split for an M x N x K problem on a GPU with `sms` SMs.  `splits` > 0 forces the
-// cluster size (tests, benchmarks), `warps` > 0 the warps per CTA and `stages` > 0 the
-// pipeline depth (benchmarks); clusters (splits > 1) need sm_90 (`clusters`).
-// Chosen (H100 measurements, benchmarks/notes_scaled_mm_decode.md): no cluster split (the
-// DSMEM split-K variants, 2-8 CTAs per cluster, were 0-40% slower on the LLM shapes), 4
-// warps per CTA splitting K while the 32-channel tiles alone fill about two waves of SMs,
-// else 8 (N = 28672: 61.5 us against 76.5 with 3 warps); 4 pipeline stages (8: slower,
-// no longer instantiated).
+constexpr int kWarpsPerSm = 16;  // resident warps per SM at the kernel's 128-register bound
+
+// The work split for an N x K weight on a GPU with `sms` SMs.  `splits` > 0 forces the
+// cluster size (tests, benchmarks), `warps` > 0 the warps per CTA and `batch` > 0 the
+// chunks per load batch (benchmarks); clusters (splits > 1) need sm_90 (`clusters`).
+// Chosen (H100, benchmarks/notes_scaled_mm_decode.md, v3): no cluster; 4 or 8 warps per CTA
+// splitting K, whichever leaves the last wave of warps fuller (4 on a tie: fewer partial
+// sums), e.g. 8 for N = 4096 (one full wave instead of half of one) and N = 28672 (6.8 waves
+// instead of 3.4), 4 for N = 6144; batches of 4 chunks.
 inline DecodeConfig choose_config(int64_t N, int64_t K, int sms, bool clusters, int splits = -1, int warps = -1,
-                                  int stages = -1) {
-  const int64_t row_blocks = (N + kRowsPerWarp - 1) / kRowsPerWarp;
+                                  int batch = -1) {
   const int64_t chunks = (K + kChunkBytes - 1) / kChunkBytes;
+  const int64_t tiles = (N + kRowsPerWarp - 1) / kRowsPerWarp;
   DecodeConfig c;
   if (splits > 0) {
     c.splits = static_cast<int>(std::min<int64_t>(std::min(splits, clusters ? kMaxSplits : 1), chunks));
     c.warps = static_cast<int>(std::clamp<int64_t>((chunks + c.splits - 1) / c.splits, 1, 4));
   } else {
+    auto last_wave_fill = [&](int w) {
+      const double waves = double(tiles * w) / (double(std::max(sms, 1)) * kWarpsPerSm);
+      return waves / std::max(1.0, double(static_cast<int64_t>(waves + 0.999999)));
+    };
     c.splits = 1;
-    c.warps = static_cast<int>(std::clamp<int64_t>(chunks, 1, row_blocks <= 2 * int64_t(sms) ? 4 : 8));
+    c.warps = last_wave_fill(8) > last_wave_fill(4) + 0.02 ? 8 : 4;
+    c.warps = static_cast<int>(std::min<int64_t>(c.warps, chunks));
   }
   if (warps > 0) c.warps = std::min(warps, kMaxWarps);
-  if (stages > 0) c.stages = stages;
+  if (batch > 0) c.batch = batch;
   const int64_t p = int64_t(c.splits) * c.warps;
   c.chunks_per_part = static_cast<int>(std::max<int64_t>(1, (chunks + p - 1) / p));
   return c;

@@ -55,7 +55,7 @@ void check_vec(const at::Tensor& t, const char* name, at::ScalarType dtype, int6
 at::Tensor decode(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a, const at::Tensor& scale_b,
                   at::ScalarType out_dtype, const std::optional<at::Tensor>& bias,
                   const std::optional<at::Tensor>& azp_adj, const std::optional<at::Tensor>& azp, int64_t splits,
-                  int64_t warps, int64_t stages) {
+                  int64_t warps, int64_t batch) {
   if (!a.is_cuda() || !b.is_cuda() || a.device() != b.device()) DECODE_FAIL("a and b must be on one CUDA device");
   if (a.dim() != 2 || b.dim() != 2 || a.size(1) != b.size(0))
     DECODE_FAIL("a (%lld-D) and b (%lld-D) are not [M, K] x [K, N]", ll(a.dim()), ll(b.dim()));
@@ -125,12 +125,12 @@ at::Tensor decode(const at::Tensor& a, const at::Tensor& b, const at::Tensor& sc
   p.stream = at::cuda::getCurrentCUDAStream(a.get_device()).stream();
 
   const qd::DecodeConfig config = qd::choose_config(N, K, props->multiProcessorCount, cc >= 90, static_cast<int>(splits),
-                                                    static_cast<int>(warps), static_cast<int>(stages));
+                                                    static_cast<int>(warps), static_cast<int>(batch));
   int cuda_error = 0;
   const int status = fp8 ? qd::launch_fp8(p, config, &cuda_error) : qd::launch_i8(p, config, &cuda_error);
   if (status != quantfuse::kQOk)
-    DECODE_FAIL("M=%lld N=%lld K=%lld, splits %d, warps %d, stages %d: %s", ll(M), ll(N), ll(K), config.splits, config.warps,
-         config.stages,
+    DECODE_FAIL("M=%lld N=%lld K=%lld, splits %d, warps %d, batch %d: %s", ll(M), ll(N), ll(K), config.splits, config.warps,
+         config.batch,
          status == quantfuse::kQLaunchFailed ? cudaGetErrorString(static_cast<cudaError_t>(cuda_error))
                                              : "no kernel for this combination");
   return out;
@@ -146,16 +146,16 @@ at::Tensor scaled_mm_decode_cuda(const at::Tensor& a, const at::Tensor& b, const
 // Benchmarks: every knob of the work split forced (-1: chosen).
 at::Tensor scaled_mm_decode_tune(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
                                  const at::Tensor& scale_b, at::ScalarType out_dtype,
-                                 const std::optional<at::Tensor>& bias, int64_t splits, int64_t warps, int64_t stages) {
-  return decode(a, b, scale_a, scale_b, out_dtype, bias, std::nullopt, std::nullopt, splits, warps, stages);
+                                 const std::optional<at::Tensor>& bias, int64_t splits, int64_t warps, int64_t batch) {
+  return decode(a, b, scale_a, scale_b, out_dtype, bias, std::nullopt, std::nullopt, splits, warps, batch);
 }
 
-// The work split the op would use (benchmarks, notes): [splits, warps, chunks_per_part, stages].
+// The work split the op would use (benchmarks, notes): [splits, warps, chunks_per_part, batch].
 std::vector<int64_t> scaled_mm_decode_config(int64_t N, int64_t K, int64_t splits) {
   const auto* props = at::cuda::getCurrentDeviceProperties();
   const qd::DecodeConfig c = qd::choose_config(N, K, props->multiProcessorCount,
                                                props->major * 10 + props->minor >= 90, static_cast<int>(splits));
-  return {c.splits, c.warps, c.chunks_per_part, c.stages};
+  return {c.splits, c.warps, c.chunks_per_part, c.batch};
 }
 
 }  // namespace
@@ -166,7 +166,7 @@ TORCH_LIBRARY_FRAGMENT(quantfuse, m) {
       "Tensor? bias=None, Tensor? azp_adj=None, Tensor? azp=None, int splits=-1) -> Tensor");
   m.def(
       "_scaled_mm_decode_tune(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, ScalarType out_dtype, "
-      "Tensor? bias=None, int splits=-1, int warps=-1, int stages=-1) -> Tensor");
+      "Tensor? bias=None, int splits=-1, int warps=-1, int batch=-1) -> Tensor");
   m.def("_scaled_mm_decode_config(int N, int K, int splits=-1) -> int[]", &scaled_mm_decode_config);
 }
 
