@@ -86,9 +86,9 @@ def supports_azp(a, b, scale_a, scale_b, out_dtype, azp_adj, azp=None, bias=None
 
 # Decode (small M): the weight-streaming mma.sync kernel (csrc/scaled_mm/scaled_mm_decode*)
 # instead of CUTLASS, up to this many rows of a (the kernel takes M <= 16; 0 turns it off).
-# H100, bf16 out, M = 1: 4-9% faster than the CUTLASS decode tile on the four LLM shapes
-# (int8 and fp8); M = 16 (two token tiles, half the resident warps): up to 20% slower on
-# three of them, so M > 8 stays on CUTLASS (benchmarks/notes_scaled_mm_decode.md, v3).
+# H100, bf16 out, M = 1: 3-18% faster than the CUTLASS decode tile on the four LLM shapes
+# (int8 and fp8); M = 16 (two token tiles, half the resident warps): up to 12% slower on
+# two of them, so M > 8 stays on CUTLASS (benchmarks/notes_scaled_mm_decode.md, v3).
 DECODE_MAX_M = 8
 
 

@@ -17,6 +17,7 @@
 #include <cstdint>
 
 #include "awq_gemm/awq_gemm.h"
+#include "common/sm_count.h"
 
 namespace quantfuse {
 namespace awq {
@@ -435,16 +436,7 @@ __global__ void awq_repack_kernel(const uint32_t* __restrict__ qweight, uint32_t
 
 // ----------------------------------------------------------------------------- host side
 
-int sm_count(int device) {
-  static int cached[64] = {0};
-  if (device < 0 || device >= 64) return 132;
-  if (cached[device] == 0) {
-    int n = 0;
-    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || n <= 0) n = 132;
-    cached[device] = n;
-  }
-  return cached[device];
-}
+int sm_count(int device) { return quantfuse::sm_count(device, 132); }
 
 bool cluster_launch(int device) {
   static int cached[64] = {0};  // 0 unknown, 1 no, 2 yes

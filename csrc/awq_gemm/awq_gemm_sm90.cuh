@@ -31,6 +31,7 @@
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
 
 #include "awq_gemm/awq_gemm_sm90.h"
+#include "common/sm_count.h"
 
 namespace quantfuse::awq_sm90 {
 
@@ -131,17 +132,6 @@ struct AwqGemm {
                                                           CollectiveEpilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Sm90Only<KernelBase>>;
 
-  static int sm_count(int device) {
-    static int counts[64] = {0};
-    if (device < 0 || device >= 64) return 0;
-    if (counts[device] == 0) {
-      int c = 0;
-      cudaDeviceGetAttribute(&c, cudaDevAttrMultiProcessorCount, device);
-      counts[device] = c;
-    }
-    return counts[device];
-  }
-
   static int run(const GemmParams& p) {
     using StrideQ = typename CollectiveMainloop::StrideA;
     using StrideX = typename KernelBase::StrideB;
@@ -169,7 +159,7 @@ struct AwqGemm {
          static_cast<const T*>(p.scales), stride_s, p.group_size, static_cast<const T*>(p.zeros)},
         {evt, nullptr, stride_d, static_cast<T*>(p.out), stride_d}};
     args.hw_info.device_id = p.device;
-    args.hw_info.sm_count = sm_count(p.device);
+    args.hw_info.sm_count = quantfuse::sm_count(p.device, 0);
 
     Gemm gemm;
     if (gemm.can_implement(args) != cutlass::Status::kSuccess) return kCannotImplement;
@@ -220,7 +210,7 @@ cudaError_t prepare_zeros_bf16(const uint32_t* qzeros, const void* scales, void*
 template <class T>
 int dispatch(const GemmParams& p) {
   const int cfg = p.config >= 0 ? p.config
-                                : choose_config(p.M, p.N, p.K, p.group_size, AwqGemm<T, ConfigSmall>::sm_count(p.device));
+                                : choose_config(p.M, p.N, p.K, p.group_size, quantfuse::sm_count(p.device, 0));
   switch (cfg) {
     case 0: return AwqGemm<T, ConfigSmall>::run(p);
     case 1: return AwqGemm<T, ConfigSmallK128>::run(p);

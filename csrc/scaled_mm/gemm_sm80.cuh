@@ -19,6 +19,7 @@
 #include "cutlass/gemm/threadblock/threadblock_swizzle.h"
 #include "cutlass/epilogue/threadblock/fusion/visitors.hpp"
 
+#include "common/sm_count.h"
 #include "scaled_mm/epilogue_sm80.cuh"
 #include "scaled_mm/scaled_mm_launch.h"
 
@@ -53,17 +54,6 @@ struct ConfigLarge {
   using Warp = GemmShape<64, 64, 64>;
   static constexpr int kStages = 5;
 };
-
-inline int sm_count(int device) {
-  static int counts[64] = {0};
-  if (device < 0 || device >= 64) return 108;
-  if (counts[device] == 0) {
-    int c = 0;
-    cudaDeviceGetAttribute(&c, cudaDevAttrMultiProcessorCount, device);
-    counts[device] = c > 0 ? c : 108;
-  }
-  return counts[device];
-}
 
 // By M, and for M > 128 by N: 128x128 tiles once there are at least as many as SMs, else the
 // 64x128 ones (twice the CTAs).  H100 (132 SMs), bf16 out: M=256 N=4096 -> medium (22.9 vs
@@ -121,7 +111,7 @@ struct Sm80Gemm {
 template <class ElementD, template <class, class> class Epi>
 int dispatch(const ScaledMmParams& p) {
   if (p.in_dtype != QDType::kInt8) return kQUnsupported;
-  switch (p.config >= 0 ? p.config : choose_config(p.M, p.N, sm_count(p.device))) {
+  switch (p.config >= 0 ? p.config : choose_config(p.M, p.N, quantfuse::sm_count(p.device, 108))) {
     case 0: return Sm80Gemm<ElementD, Epi, ConfigNarrow>::run(p);
     case 1: return Sm80Gemm<ElementD, Epi, ConfigMedium>::run(p);
     case 2: return Sm80Gemm<ElementD, Epi, ConfigLarge>::run(p);

@@ -21,6 +21,7 @@
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
 #include "cutlass/util/packed_stride.hpp"
 
+#include "common/sm_count.h"
 #include "scaled_mm/epilogue_sm90.cuh"
 #include "scaled_mm/scaled_mm_launch.h"
 
@@ -98,10 +99,18 @@ struct ConfigLarge {
   static constexpr bool kFp8Cooperative = true;
 };
 
-inline int choose_config(int64_t M, int64_t /*N*/) {
+// By M, then by how well the output tiles fill the SMs (H100 sweep, 128 <= M <= 8192 on the
+// four LLM shapes: benchmarks/bench_scaled_mm_configs.py, notes_scaled_mm.md v4):
+// * 64 < M <= 256 takes the medium 64x128 tiles while they fit in one wave, else the large
+//   128x128 ones (N = 6144 or 28672 at M = 256: 6-26% faster, int8 and fp8);
+// * fp8 at 64 < M <= 128 takes the small tiles when the medium ones would fill less than half
+//   the GPU (N = 4096: 25-30% faster; the fp8 ping-pong mainloop pays for its promotion).
+inline int choose_config(int64_t M, int64_t N, int sms, bool fp8) {
   if (M <= 32) return 3;
   if (M <= 64) return 0;
-  if (M <= 256) return 1;
+  const int64_t medium_tiles = ((M + 63) / 64) * ((N + 127) / 128);
+  if (M <= 128 && fp8 && sms > 0 && 2 * medium_tiles < sms) return 0;
+  if (M <= 256 && (sms <= 0 || medium_tiles <= sms)) return 1;
   return 2;
 }
 
@@ -181,7 +190,7 @@ struct Sm90Gemm {
       args.mainloop.mma_promotion_interval = cute::max(4, int(size<2>(Tile{})) / 32);
     }
     args.hw_info.device_id = p.device;
-    args.hw_info.sm_count = sm_count(p.device);
+    args.hw_info.sm_count = quantfuse::sm_count(p.device, 0);
 
     Gemm gemm;
     if (gemm.can_implement(args) != cutlass::Status::kSuccess) return kQCannotImplement;
@@ -197,21 +206,12 @@ struct Sm90Gemm {
     return kQOk;
   }
 
-  static int sm_count(int device) {
-    static int counts[64] = {0};
-    if (device < 0 || device >= 64) return 0;
-    if (counts[device] == 0) {
-      int c = 0;
-      cudaDeviceGetAttribute(&c, cudaDevAttrMultiProcessorCount, device);
-      counts[device] = c;
-    }
-    return counts[device];
-  }
 };
 
 template <class ElementAB, class ElementD, template <class, class, bool> class Epi>
 int dispatch(const ScaledMmParams& p) {
-  int cfg = p.config >= 0 ? p.config : choose_config(p.M, p.N);
+  int cfg = p.config >= 0 ? p.config
+                          : choose_config(p.M, p.N, quantfuse::sm_count(p.device, 0), !std::is_same_v<ElementAB, int8_t>);
   switch (cfg) {
     case 0: return Sm90Gemm<ElementAB, ElementD, Epi, ConfigSmall>::run(p);
     case 1: return Sm90Gemm<ElementAB, ElementD, Epi, ConfigMedium>::run(p);
