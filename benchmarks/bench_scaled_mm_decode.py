@@ -28,6 +28,17 @@ NK = ((4096, 4096), (6144, 4096), (4096, 14336), (28672, 4096))
 VARIANTS = {"w4": (-1, 4, -1), "w8": (-1, 8, -1), "w2": (-1, 2, -1), "s2": (2, -1, -1)}
 
 
+def kernel_of(fn) -> str:
+    """'decode', 'cutlass' or 'other': which kernel family a call launches (profiler names)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = " ".join(e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return "decode" if "scaled_mm_decode" in names else ("cutlass" if "cutlass" in names else "other")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default="1,8,16")
@@ -78,6 +89,10 @@ def main() -> int:
                 r = {"N": N, "K": K, "M": M, "dtype": str(dt).split(".")[-1], "config": cfg}
                 r["decode"] = bench(sets, lambda a, b, sa, sb, bias, ap_: qf._scaled_mm_decode_cuda(
                     a, b, sa, sb, torch.bfloat16, bias))
+                # the public op, which routes M <= DECODE_MAX_M here and larger M to CUTLASS
+                r["public"] = bench(sets, lambda a, b, sa, sb, bias, ap_: qf.scaled_mm(
+                    a, b, sa, sb, torch.bfloat16, bias))
+                r["public_kernel"] = kernel_of(lambda s=sets[0]: qf.scaled_mm(*s[:4], torch.bfloat16, s[4]))
                 for name, (sp, wa, st) in VARIANTS.items():
                     r[name] = bench(sets, lambda a, b, sa, sb, bias, ap_, sp=sp, wa=wa, st=st:
                                     qf._scaled_mm_decode_tune(a, b, sa, sb, torch.bfloat16, bias, sp, wa, st))
@@ -95,7 +110,9 @@ def main() -> int:
                 rows.append(r)
                 sw = " ".join(f"{k} {r[k]:5.1f}" for k in VARIANTS)
                 print(f"{r['dtype']:>13} N={N:5d} K={K:5d} M={M:2d} cfg {cfg}: decode {r['decode']:6.1f} µs "
-                      f"({100 * r['dram_frac']:3.0f}% DRAM)  {sw}  cutlass {r['cutlass']:6.1f}  "
+                      f"({100 * r['dram_frac']:3.0f}% DRAM)  public op {r['public']:6.1f} ({r['public_kernel']})  "
+                      f"{sw}  "
+                      f"cutlass {r['cutlass']:6.1f}  "
                       f"{'_int_mm(M>=17)' if dt == torch.int8 else '_scaled_mm'} {r['baseline']:6.1f}  "
                       f"floor {r['floor_us']:5.1f}", flush=True)
             wsets = sets = None  # free this shape's weights before the next
