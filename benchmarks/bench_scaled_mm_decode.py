@@ -25,7 +25,7 @@ from timing import copies_for, copy_bandwidth, flushed, rotating  # noqa: E402
 
 NK = ((4096, 4096), (6144, 4096), (4096, 14336), (28672, 4096))
 # (splits, warps per CTA, load batch) forced through _scaled_mm_decode_tune; -1 = chosen
-VARIANTS = {"w4": (-1, 4, -1), "w8": (-1, 8, -1), "w2": (-1, 2, -1), "s2": (2, -1, -1)}
+VARIANTS = {"w4": (-1, 4, -1), "w8": (-1, 8, -1), "b2": (-1, -1, 2), "b4": (-1, -1, 4), "s2": (2, -1, -1)}
 
 
 def kernel_of(fn) -> str:

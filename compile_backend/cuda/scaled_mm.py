@@ -86,10 +86,10 @@ def supports_azp(a, b, scale_a, scale_b, out_dtype, azp_adj, azp=None, bias=None
 
 # Decode (small M): the weight-streaming mma.sync kernel (csrc/scaled_mm/scaled_mm_decode*)
 # instead of CUTLASS, up to this many rows of a (the kernel takes M <= 16; 0 turns it off).
-# H100, bf16 out, M = 1: 3-18% faster than the CUTLASS decode tile on the four LLM shapes
-# (int8 and fp8); M = 16 (two token tiles, half the resident warps): up to 12% slower on
-# two of them, so M > 8 stays on CUTLASS (benchmarks/notes_scaled_mm_decode.md, v3).
-DECODE_MAX_M = 8
+# H100, bf16 out, on the four LLM shapes (int8 and fp8): M = 1 3-18% faster than the CUTLASS
+# decode tile; M = 12 up to 13% faster; M = 16 within run-to-run noise of it
+# (benchmarks/notes_scaled_mm_decode.md, v3).
+DECODE_MAX_M = 16
 
 
 def _decode_reason(a, b) -> str | None:

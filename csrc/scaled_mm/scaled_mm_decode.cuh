@@ -24,8 +24,9 @@
 // and stores.  No workspace, no second kernel.
 //
 // Loads: registers, in batches of kBatch chunks issued back to back (the warp asks for 16
-// rows x 256 bytes at once), double-buffered: the next batch is in flight while this one
-// feeds the mma.  On the H100 the request shape decides the bandwidth
+// rows x 256 bytes at once; 128 with two token tiles, whose registers would otherwise halve
+// the resident warps), double-buffered: the next batch is in flight while this one feeds
+// the mma.  On the H100 the request shape decides the bandwidth
 // (benchmarks/awq_stream_probe.cu, PROBE_W8A8, with a stand-in for the math): 16 rows x
 // 256 B per warp-batch read the 28672 x 4096 weight at 2.45 TB/s, 32 rows x 64 B at a time
 // (the shape of this kernel's earlier cp.async pipeline) at 1.9.
@@ -223,9 +224,10 @@ struct Batch {
 };
 
 template <bool kFp8, int NT, int kBatch, class Out, class Epi>
-// One token tile: 128 registers (16 warps per SM).  Two: ~208 (8 warps per SM); loading their
-// activations at use instead of a batch ahead gave 128 registers but measured 5-15% slower.
-__global__ void __launch_bounds__(kMaxWarps * 32, NT == 1 ? 2 : 1)
+// 128 registers (16 warps per SM) for one token tile, or two with batches of 2 chunks; two
+// token tiles with batches of 4 need ~208 (8 warps per SM).  (Loading the activations at use
+// instead of a batch ahead also fits two tiles in 128 registers, but measured 5-15% slower.)
+__global__ void __launch_bounds__(kMaxWarps * 32, (NT == 1 || kBatch <= 2) ? 2 : 1)
     scaled_mm_decode_kernel(const KernelArgs args, const Epi epi) {
   using Acc = typename Mma<kFp8>::Acc;
   constexpr int kTokens = 8 * NT;
@@ -395,10 +397,10 @@ int launch_one(const ScaledMmParams& p, const DecodeConfig& c, int* cuda_error) 
 
 template <bool kFp8, int NT, class Out, class Epi>
 int launch_batch(const ScaledMmParams& p, const DecodeConfig& c, int* cuda_error) {
-  // Only batches of 4 chunks are instantiated (the H100 request-shape probe: 16 rows x 256
-  // bytes per warp at once; 8 chunks needs twice the load registers); the switch keeps the
-  // batch a launch parameter.
-  switch (c.batch) {
+  // Batches of 4 chunks for one token tile (the H100 request-shape probe: 16 rows x 256 B per
+  // warp at once), of 2 for two, so that their registers leave 16 warps per SM.
+  switch (c.batch > 0 ? c.batch : (NT == 1 ? 4 : 2)) {
+    case 2: return launch_one<kFp8, NT, 2, Out, Epi>(p, c, cuda_error);
     case 4: return launch_one<kFp8, NT, 4, Out, Epi>(p, c, cuda_error);
     default: return kQUnsupported;
   }

@@ -24,7 +24,7 @@ struct DecodeConfig {
   int splits = 1;           // CTAs of one cluster along K (1: no cluster)
   int warps = 4;            // warps per CTA, each a K partition
   int chunks_per_part = 1;  // K chunks per (CTA, warp) partition
-  int batch = 4;            // chunks per batch of register loads (only 4 is instantiated)
+  int batch = 0;            // chunks per batch of register loads (2 or 4; 0: by token tiles)
 };
 
 constexpr int kWarpsPerSm = 16;  // resident warps per SM at the kernel's 128-register bound
@@ -35,7 +35,8 @@ constexpr int kWarpsPerSm = 16;  // resident warps per SM at the kernel's 128-re
 // Chosen (H100, benchmarks/notes_scaled_mm_decode.md, v3): no cluster; 4 or 8 warps per CTA
 // splitting K, whichever leaves the last wave of warps fuller (4 on a tie: fewer partial
 // sums), e.g. 8 for N = 4096 (one full wave instead of half of one) and N = 28672 (6.8 waves
-// instead of 3.4), 4 for N = 6144; batches of 4 chunks.
+// instead of 3.4), 4 for N = 6144; batches of 4 chunks for one token tile, 2 for two
+// (chosen at launch, `batch` = 0).
 inline DecodeConfig choose_config(int64_t N, int64_t K, int sms, bool clusters, int splits = -1, int warps = -1,
                                   int batch = -1) {
   const int64_t chunks = (K + kChunkBytes - 1) / kChunkBytes;

@@ -1,5 +1,5 @@
 // int8 decode kernels (scaled_mm_decode.cuh): 2 token tiles x 3 output types x 3 epilogue
-// trees (Scaled runs as ScaledBias with a null bias) = 18 instantiations (batches of 4 chunks).
+// trees (Scaled runs as ScaledBias with a null bias) x 2 batch sizes = 36 instantiations.
 #include "scaled_mm/scaled_mm_decode.cuh"
 
 namespace quantfuse::decode {
