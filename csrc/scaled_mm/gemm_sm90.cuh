@@ -57,8 +57,9 @@ struct ConfigSwapSmall {
   static constexpr bool kSwap = true;
   static constexpr bool kFp8Cooperative = false;
 };
-// 0: small M (M <= 64): 64x32x256 tiles, one consumer warpgroup, 4 stages so
-//    that two CTAs fit on an SM; many CTAs along N to stream the weight at DRAM speed.
+// 0: small M (M <= 64; fp8 up to 128 when N is narrow): 64x32x256 tiles, one consumer
+//    warpgroup, 4 stages so that two CTAs fit on an SM; many CTAs along N to stream the weight
+//    at DRAM speed.
 struct ConfigSmall {
   using Tile = Shape<_64, _32, _256>;
   using Cluster = Shape<_1, _1, _1>;
@@ -210,8 +211,8 @@ struct Sm90Gemm {
 
 template <class ElementAB, class ElementD, template <class, class, bool> class Epi>
 int dispatch(const ScaledMmParams& p) {
-  int cfg = p.config >= 0 ? p.config
-                          : choose_config(p.M, p.N, quantfuse::sm_count(p.device, 0), !std::is_same_v<ElementAB, int8_t>);
+  constexpr bool kFp8 = !std::is_same_v<ElementAB, int8_t>;
+  int cfg = p.config >= 0 ? p.config : choose_config(p.M, p.N, quantfuse::sm_count(p.device, 0), kFp8);
   switch (cfg) {
     case 0: return Sm90Gemm<ElementAB, ElementD, Epi, ConfigSmall>::run(p);
     case 1: return Sm90Gemm<ElementAB, ElementD, Epi, ConfigMedium>::run(p);
