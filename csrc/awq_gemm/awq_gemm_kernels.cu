@@ -142,9 +142,10 @@ struct Dq<__nv_bfloat16> {
 // block cluster on sm_90 (partials summed through distributed shared memory, no workspace,
 // no second kernel), elsewhere an fp32 workspace and splitk_reduce_kernel.
 constexpr int kTiles = kStripN / 16;   // 16-row MMA tiles per strip
-// Weights are loaded kBatch k-steps at a time: each lane issues kBatch 16-byte loads back to
-// back, so the warp asks for kBatch x 512 contiguous bytes at once, double-buffered (the next
-// batch is in flight while this one is used).  On the H100 the same bytes asked for one 512-byte
+// Weights are loaded kBatch k-steps at a time (2 for two token tiles in 4-warp blocks, see
+// batch_for): each lane issues kBatch 16-byte loads back to back, so the warp asks for
+// kBatch x 512 contiguous bytes at once, double-buffered (the next batch is in flight while
+// this one is used).  On the H100 the same bytes asked for one 512-byte
 // step at a time (a rolling ring) read at ~1.8 TB/s, in batches of 2 KB at ~2.5 TB/s
 // (benchmarks/awq_stream_probe.cu, notes_awq.md).
 #ifndef QF_AWQ_BATCH
@@ -168,12 +169,19 @@ struct GroupRaw {
 
 // Resident warps per SM the register budget must allow: enough 16-byte loads in flight to
 // cover DRAM latency (fewer for more token tiles, whose accumulators need the registers).
+// Two token tiles in 4-warp blocks (chosen when the strips alone give two blocks per SM) load
+// batches of 2 k-steps instead of 4, which fits 128 registers and so 16 warps per SM: on the
+// H100, 28672 x 4096 at M = 16 went from 45.8 to 34.5 us; with 8-warp blocks (fewer strips)
+// the same change measured slower, so those keep batches of 4 at 12 warps per SM.
 // (A variant landing the weights in a per-warp shared-memory ring by cp.async instead of
 // registers measured slower on the H100: more instructions per step; notes_awq.md.)
-constexpr int min_warps_per_sm(int nt) { return nt == 1 ? 16 : (nt == 2 ? 12 : 8); }
+__host__ __device__ constexpr int min_warps_per_sm(int nt, int w) {
+  return nt == 1 ? 16 : (nt == 2 ? (w == 4 ? 16 : 12) : 8);
+}
+__host__ __device__ constexpr int batch_for(int nt, int w) { return nt == 2 && w == 4 ? 2 : kBatch; }
 
 template <typename T, int NT, int W, bool CLUSTER>
-__global__ void __launch_bounds__(W * 32, min_warps_per_sm(NT) / W) awq_gemm_kernel(
+__global__ void __launch_bounds__(W * 32, min_warps_per_sm(NT, W) / W) awq_gemm_kernel(
     const T* __restrict__ x, const uint4* __restrict__ wp, const T* __restrict__ scales,
     const uint32_t* __restrict__ qzeros, const T* __restrict__ bias, T* __restrict__ out,
     float* __restrict__ partial, int M, int N, int K, int group_size) {
@@ -243,9 +251,10 @@ __global__ void __launch_bounds__(W * 32, min_warps_per_sm(NT) / W) awq_gemm_ker
   };
 
   // Weights first: theirs is the latency that matters.
-  uint4 buf[2][kBatch];
+  constexpr int kB = batch_for(NT, W);  // k-steps per batch
+  uint4 buf[2][kB];
 #pragma unroll
-  for (int u = 0; u < kBatch; ++u)
+  for (int u = 0; u < kB; ++u)
     if (wb + u < we) buf[0][u] = load_stream(wl + (size_t)(wb + u) * 32);
   int grp = wb / gsteps;
   int pos = wb - grp * gsteps;  // steps of the current group already behind us
@@ -285,27 +294,27 @@ __global__ void __launch_bounds__(W * 32, min_warps_per_sm(NT) / W) awq_gemm_ker
 
   // buf[0] holds the batch at kt; each half-iteration asks for the batch after the one it uses.
   int kt = wb;
-  for (; kt + 2 * kBatch <= we; kt += 2 * kBatch) {
+  for (; kt + 2 * kB <= we; kt += 2 * kB) {
 #pragma unroll
-    for (int u = 0; u < kBatch; ++u) buf[1][u] = load_stream(wl + (size_t)(kt + kBatch + u) * 32);
+    for (int u = 0; u < kB; ++u) buf[1][u] = load_stream(wl + (size_t)(kt + kB + u) * 32);
 #pragma unroll
-    for (int u = 0; u < kBatch; ++u) step(buf[0][u], kt + u);
+    for (int u = 0; u < kB; ++u) step(buf[0][u], kt + u);
 #pragma unroll
-    for (int u = 0; u < kBatch; ++u)
-      if (kt + 2 * kBatch + u < we) buf[0][u] = load_stream(wl + (size_t)(kt + 2 * kBatch + u) * 32);
+    for (int u = 0; u < kB; ++u)
+      if (kt + 2 * kB + u < we) buf[0][u] = load_stream(wl + (size_t)(kt + 2 * kB + u) * 32);
 #pragma unroll
-    for (int u = 0; u < kBatch; ++u) step(buf[1][u], kt + kBatch + u);
+    for (int u = 0; u < kB; ++u) step(buf[1][u], kt + kB + u);
   }
-  // fewer than 2 * kBatch steps left
+  // fewer than 2 * kB steps left
 #pragma unroll
-  for (int u = 0; u < kBatch; ++u)
-    if (kt + kBatch + u < we) buf[1][u] = load_stream(wl + (size_t)(kt + kBatch + u) * 32);
+  for (int u = 0; u < kB; ++u)
+    if (kt + kB + u < we) buf[1][u] = load_stream(wl + (size_t)(kt + kB + u) * 32);
 #pragma unroll
-  for (int u = 0; u < kBatch; ++u)
+  for (int u = 0; u < kB; ++u)
     if (kt + u < we) step(buf[0][u], kt + u);
 #pragma unroll
-  for (int u = 0; u < kBatch; ++u)
-    if (kt + kBatch + u < we) step(buf[1][u], kt + kBatch + u);
+  for (int u = 0; u < kB; ++u)
+    if (kt + kB + u < we) step(buf[1][u], kt + kB + u);
 
   // C fragment: [0], [1] = row 16j + g, tokens 8nt + 2t (+1); [2], [3] = row 16j + g + 8.
   __syncthreads();  // red zeroed by every thread
