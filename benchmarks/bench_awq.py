@@ -175,13 +175,14 @@ def sanitize():
     gen = torch.Generator(device=DEV).manual_seed(1)
     worst = 0.0
     for dtype in (torch.float16, torch.bfloat16):
-        for (N, K, g) in ((128, 256, 32), (192, 4096, 128), (64, 64, 64)):
+        # N = 16896: enough 64-wide strips (2 per SM on an H100) for 4-warp blocks at M = 9-16
+        for (N, K, g) in ((128, 256, 32), (192, 4096, 128), (64, 64, 64), (16896, 256, 64)):
             q = torch.randint(0, 16, (K, N), generator=gen, device=DEV, dtype=torch.int32)
             z = torch.randint(0, 16, (K // g, N), generator=gen, device=DEV, dtype=torch.int32)
             s = (torch.rand((K // g, N), generator=gen, device=DEV) * 1e-2 + 1e-3).to(dtype)
             qw, qz = awq_pack(q), awq_pack(z)
             dense = torch.ops.quantfuse.awq_dequantize(qw, s, qz, g)
-            for M in (1, 5, 17, 40, 100):
+            for M in (1, 5, 12, 17, 40, 100):
                 x = torch.randn((M, K), generator=gen, device=DEV).to(dtype)
                 b = torch.randn((N,), generator=gen, device=DEV).to(dtype)
                 out = torch.ops.quantfuse.awq_gemm(x, qw, s, qz, g, b).float()
