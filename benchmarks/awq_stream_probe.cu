@@ -13,10 +13,22 @@
 // PROBE_GEMM_ONLY=1 times only the GEMM (PROBE_SPLITS=1: also 3-8 splits, with and without a
 // cluster); PROBE_PLACEMENT=1 counts the SMs a cluster launch uses; PROBE_W8A8=1 times W8A8
 // decode request shapes (int8 [N, K] weights) instead; PROBE_FOCUS=1 the per-warp bulk ring and batched
-// readers with emulated work (the experiment behind the GEMM's batched loads).  -DQF_AWQ_BATCH=n
-// builds the GEMM with another batch size.  Findings: benchmarks/notes_awq.md (v6).
+// readers with emulated work (the experiment behind the GEMM's batched loads); PROBE_CHOSEN=1
+// only the GEMM as the op launches it at M = 1 and 16.  -DQF_AWQ_BATCH=n builds the GEMM with
+// another batch size, -DPROBE_L2_256B the batched and row readers' loads with the L2::256B
+// prefetch-size hint.  PROBE_DECODE=1 times the W8A8 decode kernel (int8, bf16 out, per-token x
+// per-channel + bias) as the op launches it, M = 1 and 16; -DQF_DECODE_L2_256B=0/1 builds it
+// without / with that hint on its weight loads.  Findings: benchmarks/notes_awq.md (v6).
 
 #include "awq_gemm/awq_gemm_kernels.cu"
+#include "scaled_mm/scaled_mm_decode_i8.cu"
+
+// The batched and row readers' weight loads: evict-first, or with the L2::256B hint.
+#ifdef PROBE_L2_256B
+#define PROBE_LOAD(p) quantfuse::ld_stream_l2_256(p)
+#else
+#define PROBE_LOAD(p) __ldcs(p)
+#endif
 
 #include <algorithm>
 #include <cstdio>
@@ -218,11 +230,11 @@ __global__ void batch_read(const uint4* __restrict__ w, int KT, int W, int work,
   float f = (float)lane;
 #pragma unroll
   for (int i = 0; i < B; ++i)
-    if (wb + i < we) a[i] = __ldcs(base + (size_t)(wb + i) * 32);
+    if (wb + i < we) a[i] = PROBE_LOAD(base + (size_t)(wb + i) * 32);
   for (int s = wb; s < we; s += B) {
 #pragma unroll
     for (int i = 0; i < B; ++i)
-      if (s + B + i < we) b[i] = __ldcs(base + (size_t)(s + B + i) * 32);
+      if (s + B + i < we) b[i] = PROBE_LOAD(base + (size_t)(s + B + i) * 32);
 #pragma unroll
     for (int i = 0; i < B; ++i)
       if (s + i < we) {
@@ -428,7 +440,7 @@ __global__ void __launch_bounds__(128) rows_read(const uint8_t* __restrict__ w, 
     for (int s = 0; s < S; ++s)
 #pragma unroll
       for (int p = 0; p < RP; ++p)
-        if (c + s < ce) dst[p][s] = __ldcs(reinterpret_cast<const uint4*>(base[p] + (size_t)(c + s) * 64));
+        if (c + s < ce) dst[p][s] = PROBE_LOAD(reinterpret_cast<const uint4*>(base[p] + (size_t)(c + s) * 64));
   };
   auto use = [&](const uint4 (&src)[RP][S], int c) {
 #pragma unroll
@@ -492,6 +504,68 @@ void w8a8_shapes(int sms, unsigned* sink) {
   }
 }
 
+// The W8A8 decode kernel on the four shapes, M = 1 and 16, its chosen work split.
+void decode_shapes(int sms) {
+  using namespace quantfuse;
+  const int shapes[4][2] = {{4096, 4096}, {6144, 4096}, {4096, 14336}, {28672, 4096}};
+  for (auto& sh : shapes) {
+    const int N = sh[0], K = sh[1];
+    const size_t bytes = (size_t)N * K;
+    const int copies = std::max(2, (int)((2.0 * 50 * (1 << 20) + bytes - 1) / bytes));
+    std::vector<uint4*> w(copies);
+    for (int c = 0; c < copies; ++c) {
+      CK(cudaMalloc(&w[c], bytes));
+      fill_random<<<1024, 256>>>(reinterpret_cast<uint32_t*>(w[c]), bytes / 4, 29u * c + 7);
+    }
+    int8_t* a;
+    float *sa, *sb;
+    uint16_t *bias, *d;
+    CK(cudaMalloc(&a, 16 * (size_t)K));
+    CK(cudaMalloc(&sa, 16 * 4));
+    CK(cudaMalloc(&sb, (size_t)N * 4));
+    CK(cudaMalloc(&bias, (size_t)N * 2));
+    CK(cudaMalloc(&d, 16 * (size_t)N * 2));
+    fill_random<<<64, 256>>>(reinterpret_cast<uint32_t*>(a), 16 * (size_t)K / 4, 11u);
+    CK(cudaMemset(sa, 0, 16 * 4));  // zero scales: the output stays finite, the bytes are read all the same
+    CK(cudaMemset(sb, 0, (size_t)N * 4));
+    CK(cudaMemset(bias, 0, (size_t)N * 2));
+    CK(cudaDeviceSynchronize());
+    const decode::DecodeConfig cfg = decode::choose_config(N, K, sms, true);
+    for (int M : {1, 16}) {
+      const float us = time_graph(copies, [&](int c, cudaStream_t st) {
+        ScaledMmParams p;
+        p.a = a;
+        p.b = w[c];
+        p.d = d;
+        p.M = M;
+        p.N = N;
+        p.K = K;
+        p.lda = K;
+        p.ldb = K;
+        p.ldd = N;
+        p.scale_a = sa;
+        p.scale_a_per_token = true;
+        p.scale_b = sb;
+        p.scale_b_per_channel = true;
+        p.bias = bias;
+        p.out_dtype = QDType::kBF16;
+        p.epilogue = QEpilogue::kScaledBias;
+        p.stream = st;
+        int err = 0;
+        if (decode::launch_i8(p, cfg, &err) != kQOk) {
+          std::fprintf(stderr, "decode launch failed: %d\n", err);
+          std::exit(1);
+        }
+      });
+      const double all = (double)bytes + (double)M * K + 2.0 * M * N;
+      std::printf("int8 N=%5d K=%5d decode M=%2d w%d s%d L2::256B=%d %7.1f us %5.2f TB/s (all bytes)\n", N, K, M,
+                  cfg.warps, cfg.splits, QF_DECODE_L2_256B, us, all / us * 1e-6);
+    }
+    for (int c = 0; c < copies; ++c) CK(cudaFree(w[c]));
+    CK(cudaFree(a)); CK(cudaFree(sa)); CK(cudaFree(sb)); CK(cudaFree(bias)); CK(cudaFree(d));
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -506,6 +580,10 @@ int main() {
   CK(cudaMalloc(&sink, 4096));
   if (std::getenv("PROBE_W8A8") != nullptr) {
     w8a8_shapes(prop.multiProcessorCount, sink);
+    return 0;
+  }
+  if (std::getenv("PROBE_DECODE") != nullptr) {
+    decode_shapes(prop.multiProcessorCount);
     return 0;
   }
   const int shapes[4][2] = {{28672, 4096}, {4096, 14336}, {4096, 4096}, {6144, 4096}};
@@ -596,17 +674,21 @@ int main() {
                     cluster ? "" : " no cluster");
       std::printf("N=%5d K=%5d %-34s %7.1f us %5.2f TB/s (all bytes)\n", N, K, name, us, all_bytes / us * 1e-6);
     };
-    for (int M : {1, 16})
-      for (int warps : {4, 8}) gemm(M, warps, 0);
-    for (int M : {1, 16}) gemm(M, 4, 0, false);
-    if (std::getenv("PROBE_SPLITS") != nullptr)  // split counts the heuristic never picks
+    if (std::getenv("PROBE_CHOSEN") != nullptr) {  // only what the op launches, M = 1 and 16
+      for (int M : {1, 16}) gemm(M, 0, 0);
+    } else {
       for (int M : {1, 16})
-        for (int sp : {3, 5, 6, 8}) {
-          gemm(M, 4, sp, true);
-          gemm(M, 4, sp, false);
-        }
-    for (int sp : {1, 2, 4, 8}) gemm(1, 4, sp);
-    for (int sp : {1, 2, 4}) gemm(16, 4, sp);
+        for (int warps : {4, 8}) gemm(M, warps, 0);
+      for (int M : {1, 16}) gemm(M, 4, 0, false);
+      if (std::getenv("PROBE_SPLITS") != nullptr)  // split counts the heuristic never picks
+        for (int M : {1, 16})
+          for (int sp : {3, 5, 6, 8}) {
+            gemm(M, 4, sp, true);
+            gemm(M, 4, sp, false);
+          }
+      for (int sp : {1, 2, 4, 8}) gemm(1, 4, sp);
+      for (int sp : {1, 2, 4}) gemm(16, 4, sp);
+    }
     for (int c = 0; c < copies; ++c) {
       CK(cudaFree(w[c])); CK(cudaFree(sc[c])); CK(cudaFree(zr[c])); CK(cudaFree(x[c])); CK(cudaFree(out[c]));
     }

@@ -6,6 +6,11 @@ choice (choose_config) should pick comes from here.  Median µs per call over CU
 rotating among input copies > 2x L2 (benchmarks/timing.py).
 
     python benchmarks/bench_scaled_mm_configs.py [--ms 128,256,512,1024,8192] [--out DIR]
+        [--configs 0,1,2,3] [--swizzles 0] [--rasters 0] [--dtypes int8,fp8]
+
+--swizzles / --rasters also sweep the persistent tile scheduler's raster swizzle (1, 2, 4, 8;
+0 = the library's choice) and order (0 heuristic, 1 along M, 2 along N) for every config but
+the swapped decode one; such columns are named "config<c>/s<swizzle>/r<raster>".
 """
 
 from __future__ import annotations
@@ -31,7 +36,15 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default="128,256,512,1024,8192")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--configs", default=",".join(map(str, CONFIGS)))
+    ap.add_argument("--swizzles", default="0")
+    ap.add_argument("--rasters", default="0")
+    ap.add_argument("--dtypes", default="int8,fp8")
     args = ap.parse_args()
+    configs = [int(c) for c in args.configs.split(",")]
+    schedules = [(int(sw), int(ra)) for sw in args.swizzles.split(",") for ra in args.rasters.split(",")]
+    dtypes = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+    dts = [dtypes[d] for d in args.dtypes.split(",")]
 
     import compile_backend.cuda  # noqa: F401
     from compile_backend import kernels
@@ -42,7 +55,7 @@ def main() -> int:
     torch.manual_seed(0)
     rows = []
     for N, K in NK:
-        for dt in (torch.int8, torch.float8_e4m3fn):
+        for dt in dts:
             for M in (int(m) for m in args.ms.split(",")):
                 def rand(shape, dt=dt):
                     if dt == torch.int8:
@@ -54,14 +67,16 @@ def main() -> int:
                          torch.randn(N, device="cuda", dtype=torch.bfloat16))
                         for _ in range(copies_for(N * K + M * K))]
                 r = {"N": N, "K": K, "M": M, "dtype": str(dt).split(".")[-1]}
-                for cfg in CONFIGS:
-                    if cfg == 3 and M > 1024:
-                        r[f"config{cfg}"] = float("nan")  # 32-token tiles: hundreds of waves
-                        continue
-                    r[f"config{cfg}"] = rotating([
-                        lambda a=a, b=b, sa=sa, sb=sb, bias=bias, cfg=cfg: qf._scaled_mm_cutlass(
-                            a, b, sa, sb, torch.bfloat16, bias, None, None, 0, cfg)
-                        for a, b, sa, sb, bias in sets])
+                for cfg in configs:
+                    for sw, ra in schedules if cfg != 3 else [(0, 0)]:
+                        key = f"config{cfg}" if (sw, ra) == (0, 0) else f"config{cfg}/s{sw}/r{ra}"
+                        if cfg == 3 and M > 1024:
+                            r[key] = float("nan")  # 32-token tiles: hundreds of waves
+                            continue
+                        r[key] = rotating([
+                            lambda a=a, b=b, sa=sa, sb=sb, bias=bias, cfg=cfg, sw=sw, ra=ra: qf._scaled_mm_cutlass(
+                                a, b, sa, sb, torch.bfloat16, bias, None, None, 0, cfg, sw, ra)
+                            for a, b, sa, sb, bias in sets])
                 if dt == torch.float8_e4m3fn:
                     r["scaled_mm"] = rotating([
                         lambda a=a, b=b, sa=sa, sb=sb, bias=bias: torch._scaled_mm(

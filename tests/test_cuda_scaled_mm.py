@@ -92,9 +92,10 @@ def poison(M, N, out_dtype):
     del t
 
 
-def run_kernel(a, b, sa, sb, out_dtype, bias=None, azp_adj=None, azp=None, config=-1):
+def run_kernel(a, b, sa, sb, out_dtype, bias=None, azp_adj=None, azp=None, config=-1, swizzle=0, raster=0):
     poison(a.shape[0], b.shape[1], out_dtype)
-    return torch.ops.quantfuse._scaled_mm_cutlass(a, b, sa, sb, out_dtype, bias, azp_adj, azp, 90, config)
+    return torch.ops.quantfuse._scaled_mm_cutlass(a, b, sa, sb, out_dtype, bias, azp_adj, azp, 90, config,
+                                                  swizzle, raster)
 
 
 # ----------------------------------------------------------------------------- scaled_mm
@@ -115,14 +116,44 @@ def test_scaled_mm_epilogue_matrix(in_dtype, out_dtype):
 
 
 @needs_hopper
-@pytest.mark.parametrize("config", (0, 1, 2, 3))
+@pytest.mark.parametrize("config", (0, 1, 2, 3, 4))
 @pytest.mark.parametrize("in_dtype", INS, ids=["int8", "fp8"])
 def test_every_tile_config(config, in_dtype):
-    """Each tile configuration on M values it would not be chosen for (edge tiles)."""
+    """Each tile configuration on M values it would not be chosen for (edge tiles).  Config 4
+    (large tiles without a cluster) exists for fp8 only."""
     for M, N, K in ((1, 64, 256), (17, 144, 272), (100, 400, 1040), (300, 528, 512)):
         a, b, sa, sb, bias = make_inputs(M, N, K, in_dtype, torch.bfloat16, True, True, True)
+        if config == 4 and in_dtype == torch.int8:
+            with pytest.raises(RuntimeError, match="no kernel instantiated"):
+                run_kernel(a, b, sa, sb, torch.bfloat16, bias, config=config)
+            continue
         out = run_kernel(a, b, sa, sb, torch.bfloat16, bias, config=config)
         check(out, ref_epilogue(exact_acc(a, b), sa, sb, torch.bfloat16, bias), torch.bfloat16, in_dtype)
+
+
+@needs_hopper
+@pytest.mark.parametrize("in_dtype", INS, ids=["int8", "fp8"])
+def test_tile_scheduler_swizzle_and_raster(in_dtype):
+    """Every raster swizzle and order of the persistent tile scheduler visits every output
+    tile exactly once: grids of 5 x 9 to 24 x 13 tiles, not multiples of the swizzle."""
+    cases = [((300, 1104, 512), 1), ((1500, 1680, 256), 2), ((3000, 1040, 128), 2)]
+    if in_dtype != torch.int8:
+        cases.append(((1500, 1680, 256), 4))
+    for (M, N, K), config in cases:
+        a, b, sa, sb, bias = make_inputs(M, N, K, in_dtype, torch.bfloat16, True, True, True)
+        ref = ref_epilogue(exact_acc(a, b), sa, sb, torch.bfloat16, bias)
+        for swizzle, raster in itertools.product((1, 2, 4, 8), (0, 1, 2)):
+            out = run_kernel(a, b, sa, sb, torch.bfloat16, bias, config=config, swizzle=swizzle, raster=raster)
+            check(out, ref, torch.bfloat16, in_dtype)
+
+
+@needs_hopper
+def test_tile_scheduler_arguments_are_checked():
+    a, b, sa, sb, bias = make_inputs(64, 64, 64, torch.int8, torch.bfloat16, True, True, True)
+    with pytest.raises(RuntimeError, match="swizzle must be 0"):
+        run_kernel(a, b, sa, sb, torch.bfloat16, bias, swizzle=3)
+    with pytest.raises(RuntimeError, match="raster must be 0"):
+        run_kernel(a, b, sa, sb, torch.bfloat16, bias, raster=3)
 
 
 @needs_hopper
@@ -301,12 +332,17 @@ def _sanitize_driver():
     assert kernels.ensure_loaded(), kernels.status()
     shapes = ((1, 64, 256), (33, 144, 272), (130, 400, 512))
     n = 0
-    for (M, N, K), config in itertools.product(shapes, (0, 1, 2, 3)):
-        for in_dtype in INS if os.environ.get("QF_SANITIZE_FP8", "1") == "1" else INS[:1]:
+    fp8 = os.environ.get("QF_SANITIZE_FP8", "1") == "1"
+    for (M, N, K), config in itertools.product(shapes, (0, 1, 2, 3, 4)):
+        for in_dtype in INS if fp8 else INS[:1]:
+            if config == 4 and in_dtype == torch.int8:
+                continue  # config 4 is fp8 only
             a, b, sa, sb, bias = make_inputs(M, N, K, in_dtype, torch.bfloat16, True, True, True)
             out = run_kernel(a, b, sa, sb, torch.bfloat16, bias, config=config)
             check(out, ref_epilogue(exact_acc(a, b), sa, sb, torch.bfloat16, bias), torch.bfloat16, in_dtype)
             n += 1
+        if config == 4:
+            continue  # the azp epilogues are int8 only
         a, b, sa, sb, bias = make_inputs(M, N, K, torch.int8, torch.float16, False, True, False)
         colsum = b.to(torch.int32).sum(0, dtype=torch.int32)
         azp = torch.randint(-60, 60, (M,), dtype=torch.int32, device="cuda")

@@ -56,6 +56,8 @@ struct ConfigSwapSmall {
   static constexpr int kStages = 0;
   static constexpr bool kSwap = true;
   static constexpr bool kFp8Cooperative = false;
+  static constexpr int kSwizzle = 1;
+  static constexpr int kRaster = 0;  // CUTLASS's heuristic: along the shorter side
 };
 // 0: small M (M <= 64; fp8 up to 128 when N is narrow): 64x32x256 tiles, one consumer
 //    warpgroup, 4 stages so that two CTAs fit on an SM; many CTAs along N to stream the weight
@@ -69,6 +71,8 @@ struct ConfigSmall {
   static constexpr int kStages = 4;
   static constexpr bool kSwap = false;
   static constexpr bool kFp8Cooperative = false;
+  static constexpr int kSwizzle = 1;
+  static constexpr int kRaster = 0;  // CUTLASS's heuristic: along the shorter side
 };
 // 1: medium M (64 < M <= 256): 64x128x128 ping-pong (two consumer warpgroups alternate
 //    tiles so one's epilogue overlaps the other's mainloop), cluster 2x1.
@@ -83,6 +87,8 @@ struct ConfigMedium {
   // 64-row tiles cannot be split over two warpgroups; 64x128 per warpgroup keeps the fp8
   // accumulator + promotion buffer at 2 x 64 registers, so ping-pong stays for fp8.
   static constexpr bool kFp8Cooperative = false;
+  static constexpr int kSwizzle = 1;
+  static constexpr int kRaster = 0;  // CUTLASS's heuristic: along the shorter side
 };
 // 2: large M: 128x128x128 ping-pong, cluster 2x1 (A/B multicast within the cluster).
 //    fp8: cooperative instead.  The (non-fast-accum) FP8 mainloop keeps a second fp32
@@ -98,6 +104,26 @@ struct ConfigLarge {
   static constexpr int kStages = 0;
   static constexpr bool kSwap = false;
   static constexpr bool kFp8Cooperative = true;
+  static constexpr int kSwizzle = 1;
+  static constexpr int kRaster = 0;
+};
+
+// 4 (fp8 only): large M, 128x128x128 cooperative without a cluster: no per-stage coupling
+//    of two CTAs through the multicast barrier.  (The fp8 row-wise kernel torch._scaled_mm runs
+//    on the H100, cuBLASLt's nvjet 128x128x128, uses no cluster either.)  Tiles visited in
+//    bands of 4 along M: at 28672 x 4096, M = 8192 Nsight Compute saw config 2 with a 53% L2
+//    hit rate (cuBLASLt 90%), and the bands cut its time by 7-9%.
+struct ConfigLargeNoCluster {
+  using Tile = Shape<_128, _128, _128>;
+  using Cluster = Shape<_1, _1, _1>;
+  using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
+  using EpiSchedule = cutlass::epilogue::TmaWarpSpecializedCooperative;
+  using Scheduler = void;
+  static constexpr int kStages = 0;
+  static constexpr bool kSwap = false;
+  static constexpr bool kFp8Cooperative = true;
+  static constexpr int kSwizzle = 4;
+  static constexpr int kRaster = 1;  // along M
 };
 
 // By M, then by how well the output tiles fill the SMs (H100 sweep, 128 <= M <= 8192 on the
@@ -105,14 +131,17 @@ struct ConfigLarge {
 // * 64 < M <= 256 takes the medium 64x128 tiles while they fit in one wave, else the large
 //   128x128 ones (N = 6144 or 28672 at M = 256: 6-26% faster, int8 and fp8);
 // * fp8 at 64 < M <= 128 takes the small tiles when the medium ones would fill less than half
-//   the GPU (N = 4096: 25-30% faster; the fp8 ping-pong mainloop pays for its promotion).
+//   the GPU (N = 4096: 25-30% faster; the fp8 ping-pong mainloop pays for its promotion);
+// * fp8 large tiles run without a cluster, in bands of 4 tiles along M (config 4).  Against
+//   config 2 in one run: 12-20% faster at M = 1024 (equal on 4096 x 4096), 1-11% at M = 8192,
+//   -2..+7% at M = 4096, up to 6% slower at M = 2048 (notes_scaled_mm.md, session 6).
 inline int choose_config(int64_t M, int64_t N, int sms, bool fp8) {
   if (M <= 32) return 3;
   if (M <= 64) return 0;
   const int64_t medium_tiles = ((M + 63) / 64) * ((N + 127) / 128);
   if (M <= 128 && fp8 && sms > 0 && 2 * medium_tiles < sms) return 0;
   if (M <= 256 && (sms <= 0 || medium_tiles <= sms)) return 1;
-  return 2;
+  return fp8 ? 4 : 2;
 }
 
 template <class ElementAB, class ElementD, template <class, class, bool> class Epi, class Config>
@@ -190,6 +219,13 @@ struct Sm90Gemm {
       // multiple of the MMAs per k-tile; 4 MMAs of K=32 for 128-deep tiles, 8 for 256).
       args.mainloop.mma_promotion_interval = cute::max(4, int(size<2>(Tile{})) / 32);
     }
+    // Persistent scheduler: the config's raster swizzle and order unless forced (tests,
+    // benchmarks).  A swizzle of s visits the output tiles in bands s tiles wide.
+    args.scheduler.max_swizzle_size = p.swizzle > 0 ? p.swizzle : Config::kSwizzle;
+    using RasterOpt = cutlass::gemm::kernel::detail::RasterOrderOptions;
+    const int raster = p.raster > 0 ? p.raster : Config::kRaster;
+    args.scheduler.raster_order =
+        raster == 1 ? RasterOpt::AlongM : (raster == 2 ? RasterOpt::AlongN : RasterOpt::Heuristic);
     args.hw_info.device_id = p.device;
     args.hw_info.sm_count = quantfuse::sm_count(p.device, 0);
 
@@ -218,6 +254,9 @@ int dispatch(const ScaledMmParams& p) {
     case 1: return Sm90Gemm<ElementAB, ElementD, Epi, ConfigMedium>::run(p);
     case 2: return Sm90Gemm<ElementAB, ElementD, Epi, ConfigLarge>::run(p);
     case 3: return Sm90Gemm<ElementAB, ElementD, Epi, ConfigSwapSmall>::run(p);
+    case 4:
+      if constexpr (kFp8) return Sm90Gemm<ElementAB, ElementD, Epi, ConfigLargeNoCluster>::run(p);
+      return kQUnsupported;
     default: return kQUnsupported;
   }
 }

@@ -49,7 +49,14 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "common/stream_load.h"
 #include "scaled_mm/scaled_mm_decode.h"
+
+// Weight loads with the L2::256B prefetch-size hint (1) or plain evict-first (0); the probe
+// builds both (benchmarks/awq_stream_probe.cu, PROBE_DECODE).
+#ifndef QF_DECODE_L2_256B
+#define QF_DECODE_L2_256B 1
+#endif
 
 namespace quantfuse::decode {
 
@@ -263,7 +270,13 @@ __global__ void __launch_bounds__(kMaxWarps * 32, (NT == 1 || kBatch <= 2) ? 2 :
       const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
       // The weight is read once: evict-first.  The activations are re-read by every row tile.
 #pragma unroll
-      for (int h = 0; h < 2; ++h) bt.w[u][h] = ok ? __ldcs(reinterpret_cast<const uint4*>(wrow[h] + off)) : zero;
+      for (int h = 0; h < 2; ++h) {
+#if QF_DECODE_L2_256B
+        bt.w[u][h] = ok ? ld_stream_l2_256(wrow[h] + off) : zero;
+#else
+        bt.w[u][h] = ok ? ld_stream(wrow[h] + off) : zero;
+#endif
+      }
 #pragma unroll
       for (int j = 0; j < NT; ++j) bt.x[u][j] = ok ? __ldg(reinterpret_cast<const uint4*>(xrow[j] + off)) : zero;
     }

@@ -100,11 +100,14 @@ void* alloc_workspace(std::size_t bytes, void* ctx) {
 // arch: 0 = best for this GPU (sm_90: 90, other sm_80+: 80), 90 = the SM90 kernels, 80 = the
 // CUTLASS 2.x SM80 kernels (int8 only; they also run on Hopper, for tests and benchmarks).
 // config: -1 = choose by M/N, else a tile configuration index (tests, benchmarks).
+// swizzle, raster: the SM90 tile scheduler's raster swizzle and order (0 = choose; tests,
+// benchmarks; ScaledMmParams).  The SM80 kernels ignore them.
 at::Tensor scaled_mm_cutlass(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
                              const at::Tensor& scale_b, at::ScalarType out_dtype,
                              const std::optional<at::Tensor>& bias,
                              const std::optional<at::Tensor>& azp_adj,
-                             const std::optional<at::Tensor>& azp, int64_t arch, int64_t config) {
+                             const std::optional<at::Tensor>& azp, int64_t arch, int64_t config,
+                             int64_t swizzle, int64_t raster) {
   QF_CHECK(a.is_cuda() && b.is_cuda(), "_scaled_mm_cutlass: CUDA tensors expected");
   QF_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(0), "_scaled_mm_cutlass: bad shapes");
   QF_CHECK(a.scalar_type() == b.scalar_type(), "_scaled_mm_cutlass: a and b dtypes differ");
@@ -157,6 +160,12 @@ at::Tensor scaled_mm_cutlass(const at::Tensor& a, const at::Tensor& b, const at:
     QF_CHECK(!azp.has_value(), "_scaled_mm_cutlass: azp given without azp_adj");
   }
   p.config = static_cast<int>(config);
+  QF_CHECK(swizzle == 0 || swizzle == 1 || swizzle == 2 || swizzle == 4 || swizzle == 8,
+           "_scaled_mm_cutlass: swizzle must be 0 (choose), 1, 2, 4 or 8, got %lld", static_cast<long long>(swizzle));
+  QF_CHECK(raster >= 0 && raster <= 2, "_scaled_mm_cutlass: raster must be 0 (heuristic), 1 (along M) or 2 (along N), got %lld",
+           static_cast<long long>(raster));
+  p.swizzle = static_cast<int>(swizzle);
+  p.raster = static_cast<int>(raster);
   p.device = a.get_device();
   p.stream = at::cuda::getCurrentCUDAStream(a.get_device()).stream();
   std::vector<at::Tensor> keep;
@@ -192,7 +201,8 @@ at::Tensor scaled_mm_cutlass(const at::Tensor& a, const at::Tensor& b, const at:
 TORCH_LIBRARY_FRAGMENT(quantfuse, m) {
   m.def(
       "_scaled_mm_cutlass(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, ScalarType out_dtype, "
-      "Tensor? bias=None, Tensor? azp_adj=None, Tensor? azp=None, int arch=0, int config=-1) -> Tensor");
+      "Tensor? bias=None, Tensor? azp_adj=None, Tensor? azp=None, int arch=0, int config=-1, int swizzle=0, "
+      "int raster=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(quantfuse, CUDA, m) {
