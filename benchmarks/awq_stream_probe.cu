@@ -268,20 +268,13 @@ void census(int strips, int splits, int sms, int policy, bool cluster) {
   CK(cudaMalloc(&d, n * 4));
   const size_t smem = (size_t)(227 * 1024) / 4 - 1024;
   CK(cudaFuncSetAttribute(placement, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(splits, strips);
-  cfg.blockDim = dim3(128);
-  cfg.dynamicSmemBytes = smem;
-  cudaLaunchAttribute attr[2];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = splits;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  attr[1].id = cudaLaunchAttributeClusterSchedulingPolicyPreference;
-  attr[1].val.clusterSchedulingPolicyPreference = static_cast<cudaClusterSchedulingPolicy>(policy);
-  cfg.attrs = attr;
-  cfg.numAttrs = cluster ? 2 : 0;
-  CK(cudaLaunchKernelEx(&cfg, placement, d, 200000LL));
+  quantfuse::ClusterLaunch launch(dim3(splits, strips), dim3(128), smem, 0, cluster ? splits : 1);
+  if (cluster) {
+    launch.attr[1].id = cudaLaunchAttributeClusterSchedulingPolicyPreference;
+    launch.attr[1].val.clusterSchedulingPolicyPreference = static_cast<cudaClusterSchedulingPolicy>(policy);
+    launch.cfg.numAttrs = 2;
+  }
+  CK(cudaLaunchKernelEx(&launch.cfg, placement, d, 200000LL));
   CK(cudaDeviceSynchronize());
   std::vector<unsigned> h(n);
   CK(cudaMemcpy(h.data(), d, n * 4, cudaMemcpyDeviceToHost));

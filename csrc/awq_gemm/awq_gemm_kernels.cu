@@ -17,6 +17,7 @@
 #include <cstdint>
 
 #include "awq_gemm/awq_gemm.h"
+#include "common/cluster_launch.h"
 #include "common/sm_count.h"
 
 namespace quantfuse {
@@ -519,19 +520,8 @@ cudaError_t run_gemm(const void* x, const uint32_t* wp, const void* scales, cons
   const T* bp = static_cast<const T*>(bias);
   T* op = static_cast<T*>(out);
   if (splits > 1 && cluster) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(W * 32);
-    cfg.dynamicSmemBytes = 0;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = splits;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    return cudaLaunchKernelEx(&cfg, awq_gemm_kernel<T, NT, W, true>, xp, wq, sp, qzeros, bp, op,
+    const ClusterLaunch launch(grid, dim3(W * 32), 0, stream, splits);
+    return cudaLaunchKernelEx(&launch.cfg, awq_gemm_kernel<T, NT, W, true>, xp, wq, sp, qzeros, bp, op,
                               static_cast<float*>(nullptr), M, N, K, group_size);
   }
   awq_gemm_kernel<T, NT, W, false><<<grid, W * 32, 0, stream>>>(xp, wq, sp, qzeros, bp, op,

@@ -49,6 +49,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "common/cluster_launch.h"
 #include "common/stream_load.h"
 #include "scaled_mm/scaled_mm_decode.h"
 
@@ -385,21 +386,9 @@ int launch_one(const ScaledMmParams& p, const DecodeConfig& c, int* cuda_error) 
   const int smem = c.warps * warp_smem_bytes<NT>();  // <= 10 KB: no opt-in needed
   cudaError_t err = cudaSuccess;
 
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(row_blocks) * c.splits, 1, 1);
-  cfg.blockDim = dim3(32 * c.warps, 1, 1);
-  cfg.dynamicSmemBytes = static_cast<size_t>(smem);
-  cfg.stream = static_cast<cudaStream_t>(p.stream);
-  cudaLaunchAttribute attr[1];
-  if (c.splits > 1) {
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = c.splits;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-  }
-  if (err == cudaSuccess) err = cudaLaunchKernelEx(&cfg, kernel, args, epi);
+  const ClusterLaunch launch(dim3(static_cast<unsigned>(row_blocks) * c.splits, 1, 1), dim3(32 * c.warps, 1, 1),
+                             static_cast<size_t>(smem), static_cast<cudaStream_t>(p.stream), c.splits);
+  if (err == cudaSuccess) err = cudaLaunchKernelEx(&launch.cfg, kernel, args, epi);
   if (err == cudaSuccess) err = cudaGetLastError();
   if (err != cudaSuccess) {
     if (cuda_error) *cuda_error = static_cast<int>(err);

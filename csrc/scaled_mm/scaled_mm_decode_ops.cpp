@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "common/check.h"
+#include "scaled_mm/qdtype_torch.h"
 #include "scaled_mm/scaled_mm_decode.h"
 
 namespace {
@@ -28,17 +29,6 @@ namespace qd = quantfuse::decode;
 
 // Argument errors: quantfuse::fail / QF_CHECK (common/check.h), never TORCH_CHECK with values.
 #define DECODE_FAIL(...) ::quantfuse::fail("_scaled_mm_decode_cuda: " __VA_ARGS__)
-
-QDType to_qdtype(at::ScalarType t) {
-  switch (t) {
-    case at::kChar: return QDType::kInt8;
-    case at::kFloat8_e4m3fn: return QDType::kFp8E4M3;
-    case at::kHalf: return QDType::kF16;
-    case at::kBFloat16: return QDType::kBF16;
-    case at::kFloat: return QDType::kF32;
-    default: DECODE_FAIL("unsupported dtype %s", c10::toString(t));
-  }
-}
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 long long ll(int64_t v) { return static_cast<long long>(v); }
@@ -101,8 +91,8 @@ at::Tensor decode(const at::Tensor& a, const at::Tensor& b, const at::Tensor& sc
   p.scale_a_per_token = scale_a.numel() != 1;
   p.scale_b = scale_b.data_ptr<float>();
   p.scale_b_per_channel = scale_b.numel() != 1;
-  p.in_dtype = to_qdtype(a.scalar_type());
-  p.out_dtype = to_qdtype(out_dtype);
+  p.in_dtype = quantfuse::to_qdtype(a.scalar_type(), "_scaled_mm_decode_cuda");
+  p.out_dtype = quantfuse::to_qdtype(out_dtype, "_scaled_mm_decode_cuda");
   p.epilogue = bias.has_value() ? QEpilogue::kScaledBias : QEpilogue::kScaled;
   if (bias.has_value()) {
     check_vec(*bias, "bias", out_dtype, N, N, a);

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "common/check.h"
+#include "scaled_mm/qdtype_torch.h"
 #include "scaled_mm/scaled_mm_launch.h"
 
 namespace quantfuse {
@@ -79,17 +80,6 @@ int scaled_mm_sm80(const ScaledMmParams& p) {
 
 namespace {
 
-QDType to_qdtype(at::ScalarType t) {
-  switch (t) {
-    case at::kChar: return QDType::kInt8;
-    case at::kFloat8_e4m3fn: return QDType::kFp8E4M3;
-    case at::kHalf: return QDType::kF16;
-    case at::kBFloat16: return QDType::kBF16;
-    case at::kFloat: return QDType::kF32;
-    default: quantfuse::fail("quantfuse._scaled_mm_cutlass: unsupported dtype %s", c10::toString(t));
-  }
-}
-
 void* alloc_workspace(std::size_t bytes, void* ctx) {
   auto* keep = static_cast<std::vector<at::Tensor>*>(ctx);
   keep->push_back(at::empty({static_cast<int64_t>(bytes)},
@@ -142,8 +132,8 @@ at::Tensor scaled_mm_cutlass(const at::Tensor& a, const at::Tensor& b, const at:
                 "_scaled_mm_cutlass: bias must be a contiguous [N] tensor in out_dtype");
     p.bias = bias->data_ptr();
   }
-  p.in_dtype = to_qdtype(a.scalar_type());
-  p.out_dtype = to_qdtype(out_dtype);
+  p.in_dtype = to_qdtype(a.scalar_type(), "quantfuse._scaled_mm_cutlass");
+  p.out_dtype = to_qdtype(out_dtype, "quantfuse._scaled_mm_cutlass");
   p.epilogue = bias.has_value() ? QEpilogue::kScaledBias : QEpilogue::kScaled;
   if (azp_adj.has_value()) {
     QF_CHECK(azp_adj->scalar_type() == at::kInt && azp_adj->numel() == N && azp_adj->is_contiguous(),
