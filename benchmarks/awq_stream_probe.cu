@@ -469,19 +469,25 @@ void run_rows(const std::vector<uint4*>& bufs, int N, int K, int ks, int work, i
   std::printf("int8 N=%5d K=%5d %-34s %7.1f us %5.2f TB/s\n", N, K, name, us, (double)N * K / us * 1e-6);
 }
 
+// Random weight copies of `bytes` each, enough of them to exceed twice a 50 MB L2 (at least 2).
+std::vector<uint4*> weight_copies(size_t bytes, unsigned seed) {
+  const int copies = std::max(2, (int)((2.0 * 50 * (1 << 20) + bytes - 1) / bytes));
+  std::vector<uint4*> w(copies);
+  for (int c = 0; c < copies; ++c) {
+    CK(cudaMalloc(&w[c], bytes));
+    fill_random<<<1024, 256>>>(reinterpret_cast<uint32_t*>(w[c]), bytes / 4, 31u * c + seed);
+  }
+  CK(cudaDeviceSynchronize());
+  return w;
+}
+
 // The W8A8 shapes: int8 weights, flat reads for reference, then the request shapes above.
 void w8a8_shapes(int sms, unsigned* sink) {
   const int shapes[4][2] = {{4096, 4096}, {6144, 4096}, {4096, 14336}, {28672, 4096}};
   for (auto& sh : shapes) {
     const int N = sh[0], K = sh[1];
     const size_t bytes = (size_t)N * K;
-    const int copies = std::max(2, (int)((2.0 * 50 * (1 << 20) + bytes - 1) / bytes));
-    std::vector<uint4*> w(copies);
-    for (int c = 0; c < copies; ++c) {
-      CK(cudaMalloc(&w[c], bytes));
-      fill_random<<<1024, 256>>>(reinterpret_cast<uint32_t*>(w[c]), bytes / 4, 31u * c + 5);
-    }
-    CK(cudaDeviceSynchronize());
+    const std::vector<uint4*> w = weight_copies(bytes, 5u);
     for (int bps : {4, 0}) run_flat(w, N, K, bps, sms, (double)bytes, sink);
     for (int ks : {1, 2, 4, 8}) {
       if (N / 16 * ks > 64 * sms) continue;
@@ -493,7 +499,7 @@ void w8a8_shapes(int sms, unsigned* sink) {
         run_rows<4, 1>(w, N, K, ks, work, 8, sink);
       }
     }
-    for (int c = 0; c < copies; ++c) CK(cudaFree(w[c]));
+    for (uint4* p : w) CK(cudaFree(p));
   }
 }
 
@@ -504,12 +510,8 @@ void decode_shapes(int sms) {
   for (auto& sh : shapes) {
     const int N = sh[0], K = sh[1];
     const size_t bytes = (size_t)N * K;
-    const int copies = std::max(2, (int)((2.0 * 50 * (1 << 20) + bytes - 1) / bytes));
-    std::vector<uint4*> w(copies);
-    for (int c = 0; c < copies; ++c) {
-      CK(cudaMalloc(&w[c], bytes));
-      fill_random<<<1024, 256>>>(reinterpret_cast<uint32_t*>(w[c]), bytes / 4, 29u * c + 7);
-    }
+    const std::vector<uint4*> w = weight_copies(bytes, 7u);
+    const int copies = (int)w.size();
     int8_t* a;
     float *sa, *sb;
     uint16_t *bias, *d;

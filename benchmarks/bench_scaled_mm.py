@@ -129,6 +129,9 @@ def main() -> int:
                 s["a8"], s["b8"], s["sa"], s["sb"], torch.bfloat16, s["colsum"], s["azp"], s["bias"]))
             r["ours_fp8"] = measure("ours_fp8", sets, lambda s: ops.scaled_mm(
                 s["af8"], s["wf8"].t(), s["sa"], s["sb"], torch.bfloat16, s["bias"]))
+            # our CUTLASS fp8 kernels even where the op routes to cuBLASLt (M >= FP8_CUBLASLT_MIN_M)
+            r["ours_fp8_cutlass"] = measure("ours_fp8_cutlass", sets, lambda s: torch.ops.quantfuse._scaled_mm_cutlass(
+                s["af8"], s["wf8"].t(), s["sa"], s["sb"], torch.bfloat16, s["bias"], None, None, 0, -1))
             r["cublas_bf16"] = measure("cublas_bf16", bf_sets, lambda s: s[0] @ s[1].t())
             r["int_mm"] = measure("int_mm", sets, lambda s: torch._int_mm(s["a8p"], s["b8"]))
             r["int_mm_inductor"] = measure("int_mm_inductor", sets, lambda s: inductor(
@@ -175,14 +178,17 @@ def tops(r, key):
 
 
 def render(meta, rows) -> str:
-    cols = ("ours", "ours_azp", "ours_fp8", "cublas_bf16", "int_mm", "int_mm_inductor", "scaled_mm_fp8")
+    cols = ("ours", "ours_azp", "ours_fp8", "ours_fp8_cutlass", "cublas_bf16", "int_mm", "int_mm_inductor",
+            "scaled_mm_fp8")
     lines = [
         "# quantfuse.scaled_mm (CUTLASS SM90) benchmark",
         "",
         f"GPU {meta['gpu']}, torch {meta['torch']}, {meta['date']}; measured copy bandwidth "
         f"{meta['copy_bandwidth_TBps']:.2f} TB/s. {meta['timer']}. TOP/s in brackets.",
         "ours = int8 per-token x per-channel + bias, bf16 out; ours_azp = same + per-token zero point;"
-        " ours_fp8 = fp8 row-wise + bias. `_int_mm` rows for M < 17 are run at M = 17 (its minimum).",
+        " ours_fp8 = fp8 row-wise + bias through the op (cuBLASLt via torch._scaled_mm from M = 256 on"
+        " Hopper); ours_fp8_cutlass = our CUTLASS SM90 fp8 kernels (M <= 16: the CUTLASS decode tile)."
+        " `_int_mm` rows for M < 17 are run at M = 17 (its minimum).",
         "",
     ]
     for N, K in dict.fromkeys((r["N"], r["K"]) for r in rows):
@@ -196,6 +202,7 @@ def render(meta, rows) -> str:
         lines.append("| ratio int_mm+Inductor / ours | " + ratio("int_mm_inductor", "ours") + " |")
         lines.append("| ratio int_mm / ours | " + ratio("int_mm", "ours") + " |")
         lines.append("| ratio _scaled_mm / ours_fp8 | " + ratio("scaled_mm_fp8", "ours_fp8") + " |")
+        lines.append("| ratio _scaled_mm / ours_fp8_cutlass | " + ratio("scaled_mm_fp8", "ours_fp8_cutlass") + " |")
         lines.append("| ratio ours_azp / ours | " + ratio("ours_azp", "ours") + " |")
         lines.append("| DRAM fraction (bytes/bw / ours) | " + " | ".join(f"{r['dram_frac']:.2f}" for r in sub) + " |")
         lines.append("")

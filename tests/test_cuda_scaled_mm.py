@@ -8,6 +8,7 @@ capture and replay, and the profiler's proof that the op runs a CUTLASS kernel.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -305,6 +306,26 @@ def _kernel_names(fn):
         fn()
         torch.cuda.synchronize()
     return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+@needs_hopper
+def test_fp8_prefill_routes_to_cublaslt_where_measured_faster():
+    """fp8 with per-token x per-channel scales from FP8_CUBLASLT_MIN_M rows runs torch._scaled_mm
+    (no quantfuse kernel); fewer rows, a per-tensor scale or float32 output with a bias run our
+    CUTLASS kernels.  Every path matches the float64 reference."""
+    N, K, fp8, m0 = 1024, 512, torch.float8_e4m3fn, qsm.FP8_CUBLASLT_MIN_M
+    assert m0 > 16  # above the decode kernel's rows
+    cases = ((m0, True, torch.bfloat16, False), (m0 + 300, True, torch.float16, False),
+             (m0 - 1, True, torch.bfloat16, True), (m0 + 256, False, torch.bfloat16, True),
+             (m0 + 256, True, torch.float32, True))
+    for M, per_token, out_dtype, ours in cases:
+        args = (*make_inputs(M, N, K, fp8, out_dtype, per_token, True, True)[:4], out_dtype)
+        bias = torch.randn(N, device="cuda").to(out_dtype)
+        poison(M, N, out_dtype)
+        out = ops.scaled_mm(*args, bias)
+        check(out, ref_epilogue(exact_acc(*args[:2]), *args[2:4], out_dtype, bias), out_dtype, fp8)
+        names = _kernel_names(functools.partial(ops.scaled_mm, *args, bias))
+        assert any("quantfuse" in n for n in names) == ours, (M, per_token, out_dtype, names)
 
 
 @needs_hopper

@@ -3,7 +3,9 @@ csrc/scaled_mm_azp/): CUTLASS 3.x SM90 kernels (int8, fp8) on Hopper and CUTLASS
 SM80 kernels (int8) on other sm_80+ GPUs, all with epilogue visitor trees.  Up to
 ``DECODE_MAX_M`` rows of activations run the hand-written weight-streaming decode kernel
 (``_scaled_mm_decode_cuda``) instead, where the H100 measured it faster than the CUTLASS
-decode tile (benchmarks/notes_scaled_mm_decode.md).
+decode tile (benchmarks/notes_scaled_mm_decode.md).  fp8 with row-wise scales from
+``FP8_CUBLASLT_MIN_M`` rows on Hopper runs cuBLASLt's fp8 kernel through ``torch._scaled_mm``,
+measured faster there than our CUTLASS fp8 kernels.
 
 ``supports`` returns None when the kernel can take the inputs, else the reason it
 cannot (``kernels.try_cuda`` then logs it and runs the reference).  It never raises:
@@ -111,6 +113,30 @@ def _decode_reason(a, b) -> str | None:
     return None
 
 
+# Prefill fp8 with row-wise scales on Hopper: cuBLASLt's fp8 kernel, through torch._scaled_mm
+# (one kernel with the same fused epilogue), from this many rows of a; 0 turns it off.  On the
+# H100 (torch 2.11) it measured 0-15% faster than our CUTLASS fp8 kernels at M >= 256 on the
+# four LLM shapes, which are faster below (benchmarks/RESULTS.md, notes_scaled_mm.md v5).
+FP8_CUBLASLT_MIN_M = 256
+
+
+def _cublaslt_fp8_reason(a, b, scale_a, scale_b, out_dtype, bias) -> str | None:
+    """None when cuBLASLt (torch._scaled_mm) takes inputs that ``_common`` accepted, else why not."""
+    M = a.shape[0]
+    N = b.shape[1]
+    if a.dtype != torch.float8_e4m3fn:
+        return "not fp8"
+    if FP8_CUBLASLT_MIN_M <= 0 or M < FP8_CUBLASLT_MIN_M:
+        return f"M={M} < FP8_CUBLASLT_MIN_M={FP8_CUBLASLT_MIN_M}"
+    if _capability(a.device) != (9, 0):
+        return "measured on Hopper only"
+    if scale_a.numel() != M or scale_b.numel() != N:
+        return "per-token x per-channel scales only"
+    if bias is not None and out_dtype == torch.float32:
+        return "torch._scaled_mm takes no bias with float32 output"
+    return None
+
+
 def _prep(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
     """Flat, contiguous, 16-byte aligned, on ``device`` (copies only when needed)."""
     if t is None:
@@ -128,6 +154,9 @@ def launch(a, b, scale_a, scale_b, out_dtype, bias=None, *, arch: int = 0, confi
     if arch == 0 and config == -1 and _decode_reason(a, b) is None:
         return torch.ops.quantfuse._scaled_mm_decode_cuda(
             a, b, _prep(scale_a, d), _prep(scale_b, d), out_dtype, _prep(bias, d))
+    if arch == 0 and config == -1 and _cublaslt_fp8_reason(a, b, scale_a, scale_b, out_dtype, bias) is None:
+        sa, sb = _prep(scale_a, d).reshape(-1, 1), _prep(scale_b, d).reshape(1, -1)
+        return torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, bias=_prep(bias, d), out_dtype=out_dtype)
     return torch.ops.quantfuse._scaled_mm_cutlass(
         a, b, _prep(scale_a, d), _prep(scale_b, d), out_dtype, _prep(bias, d), None, None, arch, config
     )

@@ -113,15 +113,8 @@ struct ConfigLarge {
 //    on the H100, cuBLASLt's nvjet 128x128x128, uses no cluster either.)  Tiles visited in
 //    bands of 4 along M: at 28672 x 4096, M = 8192 Nsight Compute saw config 2 with a 53% L2
 //    hit rate (cuBLASLt 90%), and the bands cut its time by 7-9%.
-struct ConfigLargeNoCluster {
-  using Tile = Shape<_128, _128, _128>;
+struct ConfigLargeNoCluster : ConfigLarge {
   using Cluster = Shape<_1, _1, _1>;
-  using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
-  using EpiSchedule = cutlass::epilogue::TmaWarpSpecializedCooperative;
-  using Scheduler = void;
-  static constexpr int kStages = 0;
-  static constexpr bool kSwap = false;
-  static constexpr bool kFp8Cooperative = true;
   static constexpr int kSwizzle = 4;
   static constexpr int kRaster = 1;  // along M
 };
