@@ -9,7 +9,7 @@ rotating among input copies > 2x L2 (benchmarks/timing.py).
         [--configs 0,1,2,3] [--swizzles 0] [--rasters 0] [--dtypes int8,fp8]
 
 --swizzles / --rasters also sweep the persistent tile scheduler's raster swizzle (1, 2, 4, 8;
-0 = the library's choice) and order (0 heuristic, 1 along M, 2 along N) for every config but
+0 = the config's) and order (0 the config's, 1 along M, 2 along N) for every config but
 the swapped decode one; such columns are named "config<c>/s<swizzle>/r<raster>".
 """
 

@@ -115,8 +115,9 @@ def _decode_reason(a, b) -> str | None:
 
 # Prefill fp8 with row-wise scales on Hopper: cuBLASLt's fp8 kernel, through torch._scaled_mm
 # (one kernel with the same fused epilogue), from this many rows of a; 0 turns it off.  On the
-# H100 (torch 2.11) it measured 0-15% faster than our CUTLASS fp8 kernels at M >= 256 on the
-# four LLM shapes, which are faster below (benchmarks/RESULTS.md, notes_scaled_mm.md v5).
+# H100 (torch 2.11), at M >= 256 on the four LLM shapes, our CUTLASS fp8 kernels measured
+# 0.84-1.01x of it over two runs; below, ours are faster (benchmarks/RESULTS.md,
+# notes_scaled_mm.md v5).
 FP8_CUBLASLT_MIN_M = 256
 
 

@@ -37,8 +37,9 @@ struct ScaledMmParams {
   QDType out_dtype = QDType::kBF16;
   QEpilogue epilogue = QEpilogue::kScaledBias;
   int config = -1;  // -1: choose by M/N; >= 0 forces a tile config (tests/benchmarks)
-  // SM90 persistent tile scheduler: raster swizzle (0: choose; else 1, 2, 4 or 8 tiles) and
-  // raster order (0: CUTLASS's heuristic, along the shorter side; 1: along M; 2: along N).
+  // SM90 persistent tile scheduler: raster swizzle (0: the tile config's; else 1, 2, 4 or 8
+  // tiles) and raster order (0: the tile config's, CUTLASS's heuristic except config 4;
+  // 1: along M; 2: along N).
   int swizzle = 0;
   int raster = 0;
   int device = 0;

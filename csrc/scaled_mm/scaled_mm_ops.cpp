@@ -90,8 +90,8 @@ void* alloc_workspace(std::size_t bytes, void* ctx) {
 // arch: 0 = best for this GPU (sm_90: 90, other sm_80+: 80), 90 = the SM90 kernels, 80 = the
 // CUTLASS 2.x SM80 kernels (int8 only; they also run on Hopper, for tests and benchmarks).
 // config: -1 = choose by M/N, else a tile configuration index (tests, benchmarks).
-// swizzle, raster: the SM90 tile scheduler's raster swizzle and order (0 = choose; tests,
-// benchmarks; ScaledMmParams).  The SM80 kernels ignore them.
+// swizzle, raster: the SM90 tile scheduler's raster swizzle and order (0 = the tile config's;
+// tests, benchmarks; ScaledMmParams).  The SM80 kernels ignore them.
 at::Tensor scaled_mm_cutlass(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
                              const at::Tensor& scale_b, at::ScalarType out_dtype,
                              const std::optional<at::Tensor>& bias,
@@ -151,8 +151,8 @@ at::Tensor scaled_mm_cutlass(const at::Tensor& a, const at::Tensor& b, const at:
   }
   p.config = static_cast<int>(config);
   QF_CHECK(swizzle == 0 || swizzle == 1 || swizzle == 2 || swizzle == 4 || swizzle == 8,
-           "_scaled_mm_cutlass: swizzle must be 0 (choose), 1, 2, 4 or 8, got %lld", static_cast<long long>(swizzle));
-  QF_CHECK(raster >= 0 && raster <= 2, "_scaled_mm_cutlass: raster must be 0 (heuristic), 1 (along M) or 2 (along N), got %lld",
+           "_scaled_mm_cutlass: swizzle must be 0 (the config's), 1, 2, 4 or 8, got %lld", static_cast<long long>(swizzle));
+  QF_CHECK(raster >= 0 && raster <= 2, "_scaled_mm_cutlass: raster must be 0 (the config's), 1 (along M) or 2 (along N), got %lld",
            static_cast<long long>(raster));
   p.swizzle = static_cast<int>(swizzle);
   p.raster = static_cast<int>(raster);
