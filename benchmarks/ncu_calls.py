@@ -3,10 +3,12 @@ Nsight Compute to profile (the figures behind the missed targets in RESULTS.md):
 
     ncu --nvtx --nvtx-include "ours/" --nvtx-include "baseline/" --section SpeedOfLight ... \\
         python benchmarks/ncu_calls.py w8a8 N K M {int8,fp8}
+    ncu ... python benchmarks/ncu_calls.py w8a8_azp N K M
     ncu ... python benchmarks/ncu_calls.py awq N K M
 
 w8a8: ``ops.scaled_mm`` (per-token x per-channel + bias, bf16 out; the decode kernel at M <= 16,
-CUTLASS above) against ``torch._scaled_mm`` (fp8) or ``torch._int_mm`` (int8).  awq:
+CUTLASS above) against ``torch._scaled_mm`` (fp8) or ``torch._int_mm`` (int8).  w8a8_azp: ``ops.scaled_mm_azp`` (int8,
+per-token zero points) against the symmetric ``ops.scaled_mm``.  awq:
 ``ops.awq_gemm`` (fp16, group 128) against fp16 cuBLAS on the dequantized weight.
 """
 
@@ -43,6 +45,23 @@ def w8a8(N: int, K: int, M: int, dtype: str):
     return ours, base
 
 
+def w8a8_azp(N: int, K: int, M: int):
+    """int8 with per-token zero points (ours) against the symmetric op (baseline)."""
+    import compile_backend.cuda  # noqa: F401  (registers the CUDA kernels)
+    from compile_backend import ops
+
+    a = torch.randint(-128, 128, (M, K), dtype=torch.int8, device="cuda")
+    w = torch.randint(-128, 128, (N, K), dtype=torch.int8, device="cuda")
+    sa = torch.rand(M, device="cuda") * 1e-2 + 1e-3
+    sb = torch.rand(N, device="cuda") * 1e-2 + 1e-3
+    bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+    colsum = w.to(torch.int32).sum(1, dtype=torch.int32)
+    azp = torch.randint(-50, 50, (M,), dtype=torch.int32, device="cuda")
+    ours = lambda: ops.scaled_mm_azp(a, w.t(), sa, sb, torch.bfloat16, colsum, azp, bias)  # noqa: E731
+    base = lambda: ops.scaled_mm(a, w.t(), sa, sb, torch.bfloat16, bias)  # noqa: E731
+    return ours, base
+
+
 def awq(N: int, K: int, M: int):
     import compile_backend.cuda  # noqa: F401  (registers the CUDA kernels)
     from compile_backend import ops
@@ -62,10 +81,12 @@ def main() -> int:
     kind, *rest = sys.argv[1:]
     if kind == "w8a8":
         ours, base = w8a8(int(rest[0]), int(rest[1]), int(rest[2]), rest[3])
+    elif kind == "w8a8_azp":
+        ours, base = w8a8_azp(int(rest[0]), int(rest[1]), int(rest[2]))
     elif kind == "awq":
         ours, base = awq(int(rest[0]), int(rest[1]), int(rest[2]))
     else:
-        raise SystemExit(f"kind must be w8a8 or awq, got {kind!r}")
+        raise SystemExit(f"kind must be w8a8, w8a8_azp or awq, got {kind!r}")
     for fn in (ours, base):
         fn()
         fn()
