@@ -135,8 +135,9 @@ def test_every_tile_config(config, in_dtype):
 @needs_hopper
 @pytest.mark.parametrize("in_dtype", INS, ids=["int8", "fp8"])
 def test_tile_scheduler_swizzle_and_raster(in_dtype):
-    """Every raster swizzle and order of the persistent tile scheduler visits every output
-    tile exactly once: grids of 5 x 9 to 24 x 13 tiles, not multiples of the swizzle."""
+    """Every raster swizzle and order of the persistent tile scheduler covers every output tile
+    (the output is poisoned first): grids of 5 x 9, 12 x 14 and 24 x 9 tiles, not multiples of
+    the swizzle."""
     cases = [((300, 1104, 512), 1), ((1500, 1680, 256), 2), ((3000, 1040, 128), 2)]
     if in_dtype != torch.int8:
         cases.append(((1500, 1680, 256), 4))
