@@ -14,13 +14,16 @@
 // cluster); PROBE_PLACEMENT=1 counts the SMs a cluster launch uses; PROBE_W8A8=1 times W8A8
 // decode request shapes (int8 [N, K] weights) instead; PROBE_FOCUS=1 the per-warp bulk ring and batched
 // readers with emulated work (the experiment behind the GEMM's batched loads); PROBE_CHOSEN=1
-// only the GEMM as the op launches it at M = 1 and 16.  -DQF_AWQ_BATCH=n builds the GEMM with
+// only the GEMM as the op launches it at M = 1 and 16; PROBE_RING=1 (with PROBE_GEMM_ONLY) the
+// producer-warp ring kernel of awq_ring_probe.cuh against the GEMM at M = 1 and 16, over its
+// split counts, with group 128 and per-channel scales.  -DQF_AWQ_BATCH=n builds the GEMM with
 // another batch size, -DPROBE_L2_256B the batched and row readers' loads with the L2::256B
 // prefetch-size hint.  PROBE_DECODE=1 times the W8A8 decode kernel (int8, bf16 out, per-token x
 // per-channel + bias) as the op launches it, M = 1 and 16; -DQF_DECODE_L2_256B=0/1 builds it
 // without / with that hint on its weight loads.  Findings: benchmarks/notes_awq.md (v6).
 
 #include "awq_gemm/awq_gemm_kernels.cu"
+#include "awq_ring_probe.cuh"
 #include "scaled_mm/scaled_mm_decode_i8.cu"
 
 // The batched and row readers' weight loads: evict-first, or with the L2::256B hint.
@@ -121,30 +124,10 @@ __global__ void flat_read(const uint4* __restrict__ w, size_t n16, unsigned* __r
 // The block's contiguous byte range of its strip, copied into a shared-memory ring of S stages of
 // CH bytes by single-thread bulk copies (cp.async.bulk, completion on an mbarrier): bytes in
 // flight are set by the ring, not by registers or per-lane requests.
-__device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
-
-// Ring primitives shared by the two bulk readers.
-__device__ __forceinline__ void bars_init(uint64_t* bars, int n) {
-  for (int i = 0; i < n; ++i) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&bars[i])));
-  asm volatile("fence.mbarrier_init.release.cluster;");
-}
-
-// bytes from src into dst (shared), completion counted on bar.
+// Ring primitives of awq_ring_probe.cuh; one bulk copy per slot here.
 __device__ __forceinline__ void bulk_load(void* dst, const void* src, int bytes, uint64_t* bar) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                   smem_addr(dst)),
-               "l"(src), "r"(bytes), "r"(smem_addr(bar))
-               : "memory");
-}
-
-__device__ __forceinline__ void bar_wait(uint64_t* bar, uint32_t parity) {
-  uint32_t done = 0;
-  while (!done)
-    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-                 : "=r"(done)
-                 : "r"(smem_addr(bar)), "r"(parity)
-                 : "memory");
+  quantfuse::awq::mbar_arrive_expect_tx(bar, (uint32_t)bytes);
+  quantfuse::awq::bulk_g2s(dst, src, (uint32_t)bytes, bar);
 }
 
 template <int S, int CH>
@@ -156,7 +139,7 @@ __global__ void bulk_read(const uint4* __restrict__ w, int KT, unsigned* __restr
   const char* src = reinterpret_cast<const char*>(w + (size_t)blockIdx.y * KT * 32) + (size_t)kb * 512;
   const int bytes = (ke - kb) * 512;
   const int chunks = (bytes + CH - 1) / CH;
-  if (threadIdx.x == 0) bars_init(full, S);
+  if (threadIdx.x == 0) quantfuse::awq::mbar_init(full, S, 1);
   __syncthreads();
   auto issue = [&](int c, int st) { bulk_load(ring + st * CH, src + (size_t)c * CH, min(CH, bytes - c * CH), &full[st]); };
   if (threadIdx.x == 0)
@@ -164,7 +147,7 @@ __global__ void bulk_read(const uint4* __restrict__ w, int KT, unsigned* __restr
   unsigned acc = 0;
   for (int c = 0; c < chunks; ++c) {
     const int st = c % S;
-    bar_wait(&full[st], (c / S) & 1);
+    quantfuse::awq::mbar_wait(&full[st], (c / S) & 1);
     const int n = min(CH, bytes - c * CH);
     const uint4* stage = reinterpret_cast<const uint4*>(ring + st * CH);
     for (int i = threadIdx.x; i < n / 16; i += blockDim.x) {
@@ -192,7 +175,7 @@ __global__ void warp_bulk_read(const uint4* __restrict__ w, int KT, int W, int w
   const int bytes = (we - wb) * 512;
   const int chunks = (bytes + 4095) / 4096;
   uint8_t* my = ring + (size_t)warp * STAGES * 4096;
-  if (lane == 0) bars_init(full[warp], STAGES);
+  if (lane == 0) quantfuse::awq::mbar_init(full[warp], STAGES, 1);
   __syncwarp();
   auto issue = [&](int c, int st) {
     bulk_load(my + st * 4096, src + (size_t)c * 4096, min(4096, bytes - c * 4096), &full[warp][st]);
@@ -203,7 +186,7 @@ __global__ void warp_bulk_read(const uint4* __restrict__ w, int KT, int W, int w
   float f = (float)lane;
   for (int c = 0; c < chunks; ++c) {
     const int st = c % STAGES;
-    bar_wait(&full[warp][st], (c / STAGES) & 1);
+    quantfuse::awq::mbar_wait(&full[warp][st], (c / STAGES) & 1);
     const int n = min(4096, bytes - c * 4096) / 512;
     const uint4* stage = reinterpret_cast<const uint4*>(my + st * 4096) + lane;
     for (int i = 0; i < n; ++i) {
@@ -659,17 +642,35 @@ int main() {
     for (int c = 0; c < copies; ++c) packed[c] = reinterpret_cast<uint32_t*>(w[c]);  // any bits will do
     float* partial;  // split-K workspace of the non-cluster path
     CK(cudaMalloc(&partial, (size_t)kMaxCluster * 16 * N * 4));
-    auto gemm = [&](int M, int warps, int splits, bool cluster = true) {
-      const int s = splits > 0 ? splits : gemm_splits(DType::kHalf, M, N, K, dev, warps);
+    // ring: the producer-warp ring kernel (4 consumer warps), else the register kernel
+    int gsize = G;  // PROBE_RING also times per-channel scales (one group): what group loads cost
+    auto gemm = [&](int M, int warps, int splits, bool cluster = true, bool ring = false) {
+      const int s = splits > 0 ? splits : (ring ? ring_splits(M, N, K, dev) : gemm_splits(DType::kHalf, M, N, K, dev, warps));
       const float us = time_graph(copies, [&](int c, cudaStream_t st) {
-        CK(launch_gemm(DType::kHalf, x[c], packed[c], sc[c], reinterpret_cast<const uint32_t*>(zr[c]), nullptr,
-                       out[c], partial, M, N, K, G, s, warps, dev, cluster, st));
+        const uint32_t* z = reinterpret_cast<const uint32_t*>(zr[c]);
+        CK(ring ? launch_ring(x[c], packed[c], sc[c], z, nullptr, out[c], partial, M, N, K, gsize, s, cluster, dev, st)
+                : launch_gemm(DType::kHalf, x[c], packed[c], sc[c], z, nullptr, out[c], partial, M, N, K, gsize, s,
+                              warps, dev, cluster, st));
       });
-      std::snprintf(name, sizeof name, "awq_gemm M=%d w%d s%d%s%s", M, warps, s, splits > 0 ? "" : " (chosen)",
-                    cluster ? "" : " no cluster");
+      std::snprintf(name, sizeof name, "awq_gemm M=%d %s%d s%d%s%s%s", M, ring ? "ring" : "w", ring ? 4 : warps, s,
+                    splits > 0 ? "" : " (chosen)", cluster ? "" : " no cluster", gsize == K ? " G=K" : "");
       std::printf("N=%5d K=%5d %-34s %7.1f us %5.2f TB/s (all bytes)\n", N, K, name, us, all_bytes / us * 1e-6);
     };
-    if (std::getenv("PROBE_CHOSEN") != nullptr) {  // only what the op launches, M = 1 and 16
+    if (std::getenv("PROBE_RING") != nullptr) {  // the ring kernel against the register kernel
+      for (int M : {1, 16}) {
+        gemm(M, 0, 0);
+        gemm(M, 0, 0, true, true);
+        for (int sp : {1, 2, 4, 8}) gemm(M, 0, sp, true, true);
+        gemm(M, 0, 0, false, true);
+      }
+      gsize = K;
+      for (int M : {1, 16}) {
+        gemm(M, 0, 0);
+        gemm(M, 0, 0, true, true);
+        for (int sp : {1, 4}) gemm(M, 0, sp, true, true);
+      }
+      gsize = G;
+    } else if (std::getenv("PROBE_CHOSEN") != nullptr) {  // only what the op launches, M = 1 and 16
       for (int M : {1, 16}) gemm(M, 0, 0);
     } else {
       for (int M : {1, 16})

@@ -5,7 +5,8 @@
 //   registers (lop3 + magic number, zeros and scales in half2/bfloat162 math) straight into
 //   mma.sync.m16n8k16 A fragments, and accumulates in fp32.  A block owns a 64-row strip of
 //   N; its warps and, when the strips cannot fill the GPU, a cluster of blocks split K
-//   (details at the kernel).
+//   (details at the kernel).  The per-dtype dequantization and MMA are in awq_dequant.cuh, the
+//   strip's reduction buffer and output store in awq_gemm_strip.cuh.
 // * awq_dequantize_kernel: the original AWQ layout to a dense [K, N] weight.
 // * awq_repack_kernel: the original AWQ layout to the GEMM's fragment layout.
 
@@ -16,118 +17,15 @@
 
 #include <cstdint>
 
+#include "awq_gemm/awq_dequant.cuh"
 #include "awq_gemm/awq_gemm.h"
+#include "awq_gemm/awq_gemm_strip.cuh"
 #include "common/cluster_launch.h"
 #include "common/sm_count.h"
 
 namespace quantfuse {
 namespace awq {
 namespace {
-
-
-// Logical column 8c+i of a packed int32 sits at nibble kOrder(i) = [0,4,1,5,2,6,3,7][i].
-__host__ __device__ __forceinline__ int awq_order(int i) { return (i >> 1) + 4 * (i & 1); }
-
-// (a & MASK) | MAGIC in one instruction.
-template <uint32_t MASK, uint32_t MAGIC>
-__device__ __forceinline__ uint32_t lop3_and_or(uint32_t a) {
-  uint32_t r;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(r) : "r"(a), "n"(MASK), "n"(MAGIC));
-  return r;
-}
-
-__device__ __forceinline__ uint32_t as_u32(__half2 v) { return *reinterpret_cast<uint32_t*>(&v); }
-__device__ __forceinline__ uint32_t as_u32(__nv_bfloat162 v) { return *reinterpret_cast<uint32_t*>(&v); }
-__device__ __forceinline__ __half2 as_h2(uint32_t v) { return *reinterpret_cast<__half2*>(&v); }
-__device__ __forceinline__ __nv_bfloat162 as_b2(uint32_t v) { return *reinterpret_cast<__nv_bfloat162*>(&v); }
-
-// ----------------------------------------------------------------------------- per-dtype math
-
-template <typename T>
-struct Dq;
-
-// fp16: per weight row the zero is held as (1024 + z) for the low nibbles and -(64 + z) for
-// the high nibbles (bit patterns 0x6400 | z and 0xD400 | z << 4); both give q - z exactly,
-// one rounding at * s.
-template <>
-struct Dq<__half> {
-  struct Row {
-    uint32_t zlo, zhi, s;  // each duplicated into both halves
-  };
-  __device__ __forceinline__ static Row make(uint32_t s_bits, uint32_t z) {
-    Row r;
-    r.zlo = (0x6400u | z) * 0x10001u;
-    r.zhi = (0xD400u | (z << 4)) * 0x10001u;
-    r.s = s_bits * 0x10001u;
-    return r;
-  }
-  // w: the 8 nibbles of one lane's m16n8k16 A fragment; nibble pairs (0,4) (1,5) are row g at
-  // k-slots (2t, 2t+1) and (2t+8, 2t+9), pairs (2,6) (3,7) the same for row g + 8.
-  __device__ __forceinline__ static void frag(uint32_t w, const Row& r0, const Row& r8, uint32_t (&a)[4]) {
-    const __half2 sixteenth = __half2half2(__ushort_as_half(0x2c00));  // 1/16
-    const uint32_t w8 = w >> 8;
-    a[0] = as_u32(__hmul2(__hsub2(as_h2(lop3_and_or<0x000f000fu, 0x64006400u>(w)), as_h2(r0.zlo)), as_h2(r0.s)));
-    a[2] = as_u32(__hmul2(__hfma2(as_h2(lop3_and_or<0x00f000f0u, 0x64006400u>(w)), sixteenth, as_h2(r0.zhi)),
-                          as_h2(r0.s)));
-    a[1] = as_u32(__hmul2(__hsub2(as_h2(lop3_and_or<0x000f000fu, 0x64006400u>(w8)), as_h2(r8.zlo)), as_h2(r8.s)));
-    a[3] = as_u32(__hmul2(__hfma2(as_h2(lop3_and_or<0x00f000f0u, 0x64006400u>(w8)), sixteenth, as_h2(r8.zhi)),
-                          as_h2(r8.s)));
-  }
-  // Column-ordered pairs (original AWQ layout): pair p = columns 2p, 2p+1 of the word.
-  __device__ __forceinline__ static uint32_t pair(uint32_t q, uint32_t z, uint32_t s2) {
-    const uint32_t tq = lop3_and_or<0x000f000fu, 0x64006400u>(q);
-    const uint32_t tz = lop3_and_or<0x000f000fu, 0x64006400u>(z);
-    return as_u32(__hmul2(__hsub2(as_h2(tq), as_h2(tz)), as_h2(s2)));
-  }
-  __device__ __forceinline__ static void mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-        "{%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-  }
-  __device__ __forceinline__ static __half from_float(float v) { return __float2half_rn(v); }
-  __device__ __forceinline__ static float to_float(__half v) { return __half2float(v); }
-};
-
-// bf16 (7 mantissa bits): each nibble is shifted to the bottom of its half and ORed into
-// 128.0 (0x4300); subtracting (128 + z) gives q - z exactly, one rounding at * s.
-template <>
-struct Dq<__nv_bfloat16> {
-  struct Row {
-    uint32_t zb, s;  // (128 + z) = 0x4300 | z, and the scale, each in both halves
-  };
-  __device__ __forceinline__ static Row make(uint32_t s_bits, uint32_t z) {
-    Row r;
-    r.zb = (0x4300u | z) * 0x10001u;
-    r.s = s_bits * 0x10001u;
-    return r;
-  }
-  __device__ __forceinline__ static uint32_t sub_mul(uint32_t t, uint32_t zb, uint32_t s) {
-    return as_u32(__hmul2(__hsub2(as_b2(t), as_b2(zb)), as_b2(s)));
-  }
-  // Same fragment layout as the fp16 one; nibble pair (i, i+4) is shifted to the bottom.
-  __device__ __forceinline__ static void frag(uint32_t w, const Row& r0, const Row& r8, uint32_t (&a)[4]) {
-    a[0] = sub_mul(lop3_and_or<0x000f000fu, 0x43004300u>(w), r0.zb, r0.s);
-    a[2] = sub_mul(lop3_and_or<0x000f000fu, 0x43004300u>(w >> 4), r0.zb, r0.s);
-    a[1] = sub_mul(lop3_and_or<0x000f000fu, 0x43004300u>(w >> 8), r8.zb, r8.s);
-    a[3] = sub_mul(lop3_and_or<0x000f000fu, 0x43004300u>(w >> 12), r8.zb, r8.s);
-  }
-  __device__ __forceinline__ static uint32_t pair(uint32_t q, uint32_t z, uint32_t s2) {
-    const uint32_t tq = lop3_and_or<0x000f000fu, 0x43004300u>(q);
-    const uint32_t tz = lop3_and_or<0x000f000fu, 0x43004300u>(z);
-    return sub_mul(tq, tz, s2);
-  }
-  __device__ __forceinline__ static void mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-        "{%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-  }
-  __device__ __forceinline__ static __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
-  __device__ __forceinline__ static float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-};
 
 // ----------------------------------------------------------------------------- GEMM
 
@@ -142,7 +40,6 @@ struct Dq<__nv_bfloat16> {
 // warp partials meet in shared memory (atomic adds); K splits across blocks are a thread
 // block cluster on sm_90 (partials summed through distributed shared memory, no workspace,
 // no second kernel), elsewhere an fp32 workspace and splitk_reduce_kernel.
-constexpr int kTiles = kStripN / 16;   // 16-row MMA tiles per strip
 // Weights are loaded kBatch k-steps at a time (2 for two token tiles in 4-warp blocks, see
 // batch_for): each lane issues kBatch 16-byte loads back to back, so the warp asks for
 // kBatch x 512 contiguous bytes at once, double-buffered (the next batch is in flight while
@@ -153,9 +50,6 @@ constexpr int kTiles = kStripN / 16;   // 16-row MMA tiles per strip
 #define QF_AWQ_BATCH 4
 #endif
 constexpr int kBatch = QF_AWQ_BATCH;
-constexpr int kRedStride = kStripN + 4;  // floats per token row of the reduction buffer:
-                                         // 2 * 68 = 8 (mod 32 banks) keeps the adds conflict-free
-constexpr int kMaxCluster = 8;         // portable cluster size
 
 // Weights are read once: a streaming load (evict-first in L1 and L2).
 __device__ __forceinline__ uint4 load_stream(const uint4* p) { return __ldcs(p); }
@@ -188,7 +82,7 @@ __global__ void __launch_bounds__(W * 32, min_warps_per_sm(NT, W) / W) awq_gemm_
     float* __restrict__ partial, int M, int N, int K, int group_size) {
   using D = Dq<T>;
   using Row = typename D::Row;
-  __shared__ __align__(16) float red[8 * NT * kRedStride];
+  __shared__ __align__(16) float red[red_floats(NT)];
 
   const int splits = gridDim.x;
   const int split = blockIdx.x;
@@ -206,7 +100,7 @@ __global__ void __launch_bounds__(W * 32, min_warps_per_sm(NT, W) / W) awq_gemm_
   const int wb = min(ke, kb + warp * per_warp);
   const int we = min(ke, wb + per_warp);
 
-  for (int i = threadIdx.x; i < 8 * NT * kRedStride; i += W * 32) red[i] = 0.0f;
+  for (int i = threadIdx.x; i < red_floats(NT); i += W * 32) red[i] = 0.0f;
 
   float acc[kTiles][NT][4];
 #pragma unroll
@@ -317,55 +211,10 @@ __global__ void __launch_bounds__(W * 32, min_warps_per_sm(NT, W) / W) awq_gemm_
   for (int u = 0; u < kB; ++u)
     if (kt + kB + u < we) step(buf[1][u], kt + kB + u);
 
-  // C fragment: [0], [1] = row 16j + g, tokens 8nt + 2t (+1); [2], [3] = row 16j + g + 8.
   __syncthreads();  // red zeroed by every thread
-#pragma unroll
-  for (int j = 0; j < kTiles; ++j)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int token = nt * 8 + 2 * t + (i & 1);
-        const int row = 16 * j + g + 8 * (i >> 1);
-        atomicAdd(&red[token * kRedStride + row], acc[j][nt][i]);
-      }
+  add_to_red<NT>(red, acc, lane);
   __syncthreads();
-
-  const int mb = min(8 * NT, M - m0);  // tokens of this block
-  const int elems = mb * kStripN;
-  if constexpr (CLUSTER) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    namespace cg = cooperative_groups;
-    cg::cluster_group cluster = cg::this_cluster();
-    cluster.sync();  // every block's partial is complete
-    // Block `split` of the cluster finishes a 1/splits share of the strip's outputs.
-    const int share = (elems + splits - 1) / splits;
-    const int e0 = split * share;
-    const int e1 = min(elems, e0 + share);
-    for (int e = e0 + threadIdx.x; e < e1; e += W * 32) {
-      const int token = e / kStripN;
-      const int col = e - token * kStripN;
-      float v = 0.0f;
-      for (int r = 0; r < splits; ++r) v += cluster.map_shared_rank(red, r)[token * kRedStride + col];
-      const int n = strip * kStripN + col;
-      if (bias != nullptr) v += D::to_float(bias[n]);
-      out[(size_t)(m0 + token) * N + n] = D::from_float(v);
-    }
-    cluster.sync();  // peers' shared memory stays alive until every block has read it
-#endif
-  } else {
-    for (int e = threadIdx.x; e < elems; e += W * 32) {
-      const int token = e / kStripN;
-      const int col = e - token * kStripN;
-      const float v = red[token * kRedStride + col];
-      const int n = strip * kStripN + col;
-      if (partial != nullptr) {
-        partial[((size_t)split * M + m0 + token) * N + n] = v;
-      } else {
-        out[(size_t)(m0 + token) * N + n] = D::from_float(bias != nullptr ? v + D::to_float(bias[n]) : v);
-      }
-    }
-  }
+  store_strip<T, CLUSTER, W * 32>(red, bias, out, partial, M, N, m0, min(8 * NT, M - m0));
 }
 
 // out[m, n] = sum_s partial[s, m, n] + bias[n], 4 elements per thread (N % 4 == 0).
@@ -509,6 +358,18 @@ int splits_for(int M, int N, int K, int device, int warps) {
   return s;
 }
 
+// After a split-K launch without a cluster: sums the fp32 partials (and adds the bias).
+template <typename T>
+cudaError_t reduce_splits(cudaError_t launched, const float* partial, const T* bias, T* out, int M, int N, int splits,
+                          cudaStream_t stream) {
+  if (launched != cudaSuccess || splits <= 1) return launched;
+  const size_t quads = (size_t)M * N / 4;
+  const int threads = 256;
+  splitk_reduce_kernel<T><<<(unsigned)((quads + threads - 1) / threads), threads, 0, stream>>>(partial, bias, out, M,
+                                                                                            N, splits);
+  return cudaGetLastError();
+}
+
 template <typename T, int NT, int W>
 cudaError_t run_gemm(const void* x, const uint32_t* wp, const void* scales, const uint32_t* qzeros,
                      const void* bias, void* out, float* partial, int M, int N, int K, int group_size, int splits,
@@ -526,13 +387,7 @@ cudaError_t run_gemm(const void* x, const uint32_t* wp, const void* scales, cons
   }
   awq_gemm_kernel<T, NT, W, false><<<grid, W * 32, 0, stream>>>(xp, wq, sp, qzeros, bp, op,
                                                                  splits > 1 ? partial : nullptr, M, N, K, group_size);
-  cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess || splits <= 1) return err;
-  const size_t quads = (size_t)M * N / 4;
-  const int threads = 256;
-  splitk_reduce_kernel<T><<<(unsigned)((quads + threads - 1) / threads), threads, 0, stream>>>(partial, bp, op, M, N,
-                                                                                            splits);
-  return cudaGetLastError();
+  return reduce_splits<T>(cudaGetLastError(), partial, bp, op, M, N, splits, stream);
 }
 
 template <typename T, int W>
