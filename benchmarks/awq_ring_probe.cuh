@@ -368,6 +368,230 @@ cudaError_t run_ring(const void* x, const uint32_t* wp, const void* scales, cons
   return reduce_splits<T>(cudaGetLastError(), partial, bp, op, M, N, splits, stream);
 }
 
+// ----------------------------------------------------------------------------- v3
+
+// v3: the ring carries only the weights (one 16 KB bulk copy per stage, 32 k-steps), since every
+// extra copy slowed v1/v2; consumer warp w takes 8 consecutive k-steps of a stage (one group of
+// 128, so one rows build per stage) and loads its activations (L1) and the next stage's scales
+// and zeros (prefetched a stage ahead, as the register kernel does) from global memory.
+// Group sizes: multiples of 128.
+constexpr int kR3Steps = 32;  // k-steps per stage, split over the C consumer warps
+constexpr int kR3Stages = 3;
+
+template <typename T>
+struct R3Raw {
+  uint4 z[2];
+  uint32_t s[kTiles][2];
+};
+
+template <typename T, int NT, bool CLUSTER, int C>
+__global__ void __launch_bounds__((C + 1) * 32, C == 8 ? 2 : kRingBlocksPerSm) awq_gemm_ring3_kernel(
+    const T* __restrict__ x, const uint4* __restrict__ wp, const T* __restrict__ scales,
+    const uint32_t* __restrict__ qzeros, const T* __restrict__ bias, T* __restrict__ out,
+    float* __restrict__ partial, int M, int N, int K, int group_size) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int kR3PerWarp = kR3Steps / C;
+  constexpr int kThreads = (C + 1) * 32;
+  using D = Dq<T>;
+  using Row = typename D::Row;
+  extern __shared__ __align__(128) uint8_t smem[];
+  float* red = reinterpret_cast<float*>(smem);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + red_floats(NT) * 4);
+  uint64_t* empty = full + kR3Stages;
+  uint8_t* ring = smem + ring_head_bytes(NT, kR3Stages);
+  const int splits = gridDim.x;
+  const int split = blockIdx.x;
+  const int strip = blockIdx.y;
+  const int m0 = blockIdx.z * 8 * NT;
+  const int mb = min(8 * NT, M - m0);
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int KT = K >> 4;
+  const int per_block = ((KT + splits - 1) / splits + kR3Steps - 1) / kR3Steps * kR3Steps;
+  const int kb = min(KT, split * per_block);
+  const int ke = min(KT, kb + per_block);
+  const int slots = (ke - kb + kR3Steps - 1) / kR3Steps;
+  for (int i = threadIdx.x; i < red_floats(NT); i += kThreads) red[i] = 0.0f;
+  if (threadIdx.x == 0) {
+    mbar_init(full, kR3Stages, 1);
+    mbar_init(empty, kR3Stages, C);
+  }
+  __syncthreads();
+  if (warp == C) {
+    if (lane == 0) {
+      const char* wsrc = reinterpret_cast<const char*>(wp + (size_t)strip * KT * 32);
+      int st = 0;
+      uint32_t parity = 0;
+      for (int i = 0; i < slots; ++i) {
+        if (i >= kR3Stages) mbar_wait(&empty[st], parity);
+        const int k0 = kb + i * kR3Steps;
+        const int n = min(kR3Steps, ke - k0);
+        mbar_arrive_expect_tx(&full[st], (uint32_t)(n * 512));
+        bulk_g2s(ring + st * kR3Steps * 512, wsrc + (size_t)k0 * 512, n * 512, &full[st]);
+        if (++st == kR3Stages) {
+          st = 0;
+          if (i >= kR3Stages) parity ^= 1u;
+        }
+      }
+    }
+  } else {
+    const int g = lane >> 2;
+    const int t = lane & 3;
+    const int zshift = 4 * awq_order(g);
+    float acc[kTiles][NT][4];
+#pragma unroll
+    for (int j = 0; j < kTiles; ++j)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[j][nt][i] = 0.0f;
+    const T* xrow[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int m = m0 + nt * 8 + g;
+      xrow[nt] = nt * 8 + g < mb ? x + (size_t)m * K + 4 * t : nullptr;
+    }
+    const uint16_t* s_lane = reinterpret_cast<const uint16_t*>(scales) + strip * kStripN + g;
+    const uint4* z_strip = reinterpret_cast<const uint4*>(qzeros + strip * (kStripN / 8));
+    auto load_group = [&](int grp, R3Raw<T>& r) {
+      const uint4* zp = z_strip + (size_t)grp * (N >> 5);
+      r.z[0] = __ldg(zp);
+      r.z[1] = __ldg(zp + 1);
+      const uint16_t* sp = s_lane + (size_t)grp * N;
+#pragma unroll
+      for (int j = 0; j < kTiles; ++j) {
+        r.s[j][0] = __ldg(sp + 16 * j);
+        r.s[j][1] = __ldg(sp + 16 * j + 8);
+      }
+    };
+    Row rows[kTiles][2];
+    const int s0 = warp * kR3PerWarp;
+    auto grp_of = [&](int i) { return ((kb + i * kR3Steps + s0) * 16) / group_size; };
+    R3Raw<T> raw;
+    int cur = -1;
+    if (slots > 0 && s0 < min(kR3Steps, ke - kb)) load_group(grp_of(0), raw);
+    int st = 0;
+    uint32_t parity = 0;
+    for (int i = 0; i < slots; ++i) {
+      const int k0 = kb + i * kR3Steps;
+      const int n = min(kR3Steps, ke - k0);
+      const bool active = s0 < n;
+      uint32_t b[kR3PerWarp][NT][2];
+#pragma unroll
+      for (int u = 0; u < kR3PerWarp; ++u)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          uint2 v = make_uint2(0u, 0u);
+          if (xrow[nt] != nullptr && s0 + u < n) v = __ldg(reinterpret_cast<const uint2*>(xrow[nt] + ((k0 + s0 + u) << 4)));
+          b[u][nt][0] = v.x;
+          b[u][nt][1] = v.y;
+        }
+      if (active) {
+        const int gh = grp_of(i);
+        if (gh != cur) {
+          cur = gh;
+          const uint32_t zw[8] = {raw.z[0].x, raw.z[0].y, raw.z[0].z, raw.z[0].w,
+                                  raw.z[1].x, raw.z[1].y, raw.z[1].z, raw.z[1].w};
+#pragma unroll
+          for (int j = 0; j < kTiles; ++j)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) rows[j][h] = D::make(raw.s[j][h], (zw[2 * j + h] >> zshift) & 0xFu);
+        }
+        if (i + 1 < slots && s0 < min(kR3Steps, ke - k0 - kR3Steps)) {
+          const int gn = grp_of(i + 1);
+          if (gn != cur) load_group(gn, raw);
+        }
+      }
+      mbar_wait(&full[st], parity);
+#ifndef QF_RING_SKIP_MATH
+      if (active) {
+        const uint8_t* slot = ring + st * kR3Steps * 512;
+        if (s0 + kR3PerWarp <= n) {
+#pragma unroll
+          for (int u = 0; u < kR3PerWarp; ++u) {
+            const uint4 w = *reinterpret_cast<const uint4*>(slot + (s0 + u) * 512 + lane * 16);
+            const uint32_t words[kTiles] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+            for (int j = 0; j < kTiles; ++j) {
+              uint32_t a[4];
+              D::frag(words[j], rows[j][0], rows[j][1], a);
+#pragma unroll
+              for (int nt = 0; nt < NT; ++nt) D::mma(acc[j][nt], a, b[u][nt]);
+            }
+          }
+        } else {
+#pragma unroll
+          for (int u = 0; u < kR3PerWarp; ++u)
+            if (s0 + u < n) {
+              const uint4 w = *reinterpret_cast<const uint4*>(slot + (s0 + u) * 512 + lane * 16);
+              const uint32_t words[kTiles] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+              for (int j = 0; j < kTiles; ++j) {
+                uint32_t a[4];
+                D::frag(words[j], rows[j][0], rows[j][1], a);
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) D::mma(acc[j][nt], a, b[u][nt]);
+              }
+            }
+        }
+      }
+#endif
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&empty[st]);
+      if (++st == kR3Stages) {
+        st = 0;
+        parity ^= 1u;
+      }
+    }
+    add_to_red<NT>(red, acc, lane);
+  }
+  __syncthreads();
+  store_strip<T, CLUSTER, kThreads>(red, bias, out, partial, M, N, m0, mb);
+#endif
+}
+
+template <typename T, int NT, int C>
+cudaError_t run_ring3(const void* x, const uint32_t* wp, const void* scales, const uint32_t* qzeros, const void* bias,
+                      void* out, float* partial, int M, int N, int K, int group_size, int splits, bool cluster,
+                      cudaStream_t stream) {
+  const dim3 grid(splits, N / kStripN, (M + 8 * NT - 1) / (8 * NT));
+  const int smem = ring_head_bytes(NT, kR3Stages) + kR3Stages * kR3Steps * 512;
+  const T* xp = static_cast<const T*>(x);
+  const uint4* wq = reinterpret_cast<const uint4*>(wp);
+  const T* sp = static_cast<const T*>(scales);
+  const T* bp = static_cast<const T*>(bias);
+  T* op = static_cast<T*>(out);
+  if (splits > 1 && cluster) {
+    cudaError_t err = cudaFuncSetAttribute(awq_gemm_ring3_kernel<T, NT, true, C>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess) return err;
+    const ClusterLaunch launch(grid, dim3((C + 1) * 32), smem, stream, splits);
+    return cudaLaunchKernelEx(&launch.cfg, awq_gemm_ring3_kernel<T, NT, true, C>, xp, wq, sp, qzeros, bp, op,
+                              static_cast<float*>(nullptr), M, N, K, group_size);
+  }
+  cudaError_t err = cudaFuncSetAttribute(awq_gemm_ring3_kernel<T, NT, false, C>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) return err;
+  awq_gemm_ring3_kernel<T, NT, false, C><<<grid, (C + 1) * 32, smem, stream>>>(
+      xp, wq, sp, qzeros, bp, op, splits > 1 ? partial : nullptr, M, N, K, group_size);
+  return reduce_splits<T>(cudaGetLastError(), partial, bp, op, M, N, splits, stream);
+}
+
+cudaError_t launch_ring3(const void* x, const uint32_t* wp, const void* scales, const uint32_t* qzeros,
+                         const void* bias, void* out, float* partial, int M, int N, int K, int group_size, int splits,
+                         bool cluster, int consumers, cudaStream_t stream) {
+  if (group_size % 128 != 0) return cudaErrorInvalidValue;
+  if (consumers == 8)
+    return M <= 8 ? run_ring3<__half, 1, 8>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits,
+                                            cluster, stream)
+                  : run_ring3<__half, 2, 8>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits,
+                                            cluster, stream);
+  return M <= 8 ? run_ring3<__half, 1, 4>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits,
+                                          cluster, stream)
+                : run_ring3<__half, 2, 4>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits,
+                                          cluster, stream);
+}
+
 // Token tiles of the ring kernel: one for M <= 8, else two (more token blocks for M > 16).
 int ring_nt(int M) { return M <= 8 ? 1 : 2; }
 

@@ -644,30 +644,42 @@ int main() {
     CK(cudaMalloc(&partial, (size_t)kMaxCluster * 16 * N * 4));
     // ring: the producer-warp ring kernel (4 consumer warps), else the register kernel
     int gsize = G;  // PROBE_RING also times per-channel scales (one group): what group loads cost
-    auto gemm = [&](int M, int warps, int splits, bool cluster = true, bool ring = false) {
+    // ring: 1 = the ring kernel v2 of awq_ring_probe.cuh, 3 / 8 = its v3 with 4 / 8 consumer warps; 0 = the GEMM
+    auto gemm = [&](int M, int warps, int splits, bool cluster = true, int ring = 0) {
       const int s = splits > 0 ? splits : (ring ? ring_splits(M, N, K, dev) : gemm_splits(DType::kHalf, M, N, K, dev, warps));
       const float us = time_graph(copies, [&](int c, cudaStream_t st) {
         const uint32_t* z = reinterpret_cast<const uint32_t*>(zr[c]);
-        CK(ring ? launch_ring(x[c], packed[c], sc[c], z, nullptr, out[c], partial, M, N, K, gsize, s, cluster, dev, st)
-                : launch_gemm(DType::kHalf, x[c], packed[c], sc[c], z, nullptr, out[c], partial, M, N, K, gsize, s,
-                              warps, dev, cluster, st));
+        CK(ring >= 3 ? launch_ring3(x[c], packed[c], sc[c], z, nullptr, out[c], partial, M, N, K, gsize, s, cluster,
+                                    ring == 3 ? 4 : 8, st)
+           : ring    ? launch_ring(x[c], packed[c], sc[c], z, nullptr, out[c], partial, M, N, K, gsize, s, cluster, dev, st)
+                     : launch_gemm(DType::kHalf, x[c], packed[c], sc[c], z, nullptr, out[c], partial, M, N, K, gsize, s,
+                                   warps, dev, cluster, st));
       });
-      std::snprintf(name, sizeof name, "awq_gemm M=%d %s%d s%d%s%s%s", M, ring ? "ring" : "w", ring ? 4 : warps, s,
-                    splits > 0 ? "" : " (chosen)", cluster ? "" : " no cluster", gsize == K ? " G=K" : "");
+      std::snprintf(name, sizeof name, "awq_gemm M=%d %s%d s%d%s%s%s", M, ring >= 3 ? "ring3v" : (ring ? "ring" : "w"),
+                    ring ? (ring == 8 ? 8 : 4) : warps, s, splits > 0 ? "" : " (chosen)", cluster ? "" : " no cluster",
+                    gsize == K ? " G=K" : "");
       std::printf("N=%5d K=%5d %-34s %7.1f us %5.2f TB/s (all bytes)\n", N, K, name, us, all_bytes / us * 1e-6);
     };
-    if (std::getenv("PROBE_RING") != nullptr) {  // the ring kernel against the register kernel
+    if (std::getenv("PROBE_RING3") != nullptr) {  // ring v3 against the GEMM
       for (int M : {1, 16}) {
         gemm(M, 0, 0);
-        gemm(M, 0, 0, true, true);
-        for (int sp : {1, 2, 4, 8}) gemm(M, 0, sp, true, true);
-        gemm(M, 0, 0, false, true);
+        for (int sp : {1, 2, 4, 8}) gemm(M, 0, sp, true, 3);
+        for (int sp : {2, 4, 8}) gemm(M, 0, sp, false, 3);
+        for (int sp : {1, 2, 4, 8}) gemm(M, 0, sp, true, 8);
+        for (int sp : {2, 4, 8}) gemm(M, 0, sp, false, 8);
+      }
+    } else if (std::getenv("PROBE_RING") != nullptr) {  // the ring kernel against the register kernel
+      for (int M : {1, 16}) {
+        gemm(M, 0, 0);
+        gemm(M, 0, 0, true, 1);
+        for (int sp : {1, 2, 4, 8}) gemm(M, 0, sp, true, 1);
+        gemm(M, 0, 0, false, 1);
       }
       gsize = K;
       for (int M : {1, 16}) {
         gemm(M, 0, 0);
-        gemm(M, 0, 0, true, true);
-        for (int sp : {1, 4}) gemm(M, 0, sp, true, true);
+        gemm(M, 0, 0, true, 1);
+        for (int sp : {1, 4}) gemm(M, 0, sp, true, 1);
       }
       gsize = G;
     } else if (std::getenv("PROBE_CHOSEN") != nullptr) {  // only what the op launches, M = 1 and 16
