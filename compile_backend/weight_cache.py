@@ -10,10 +10,9 @@ puts it in the graph next to the weight:
 
 * under ``freezing`` the weight is a constant and Inductor constant-folds the
   op away: the sums are computed once, at compile time;
-* otherwise the implementation caches the sums per weight: keyed by the
-  weight's storage, offset, shape, strides, dtype and device, and validated by
-  the storage's version counter (any in-place write to the weight bumps it) and
-  a weak reference (a freed weight whose memory is reused never hits).  A call
+* otherwise the implementation caches the sums per weight (``tensor_cache``:
+  keyed by the weight's storage, offset, shape, strides, dtype and device,
+  validated by the version counter, dropped when the weight is freed).  A call
   with an unchanged weight only copies the cached ``[N]`` vector: the op is
   functional, so it hands out a fresh tensor that the compiled graph may
   reuse or overwrite without corrupting the cache.
@@ -21,23 +20,16 @@ puts it in the graph next to the weight:
 
 from __future__ import annotations
 
-import threading
-import weakref
-
 import torch
+
+from .tensor_cache import TensorCache
 
 _lib = torch.library.Library("quantfuse", "FRAGMENT")
 _lib.define("weight_colsum(Tensor weight) -> Tensor")
 
-_cache: dict[tuple, tuple] = {}
-_lock = threading.Lock()
+cache = TensorCache()
 # How many times the column sums were computed (not served from the cache); tests read it.
-stats = {"computed": 0, "hits": 0}
-
-
-def _key(b: torch.Tensor) -> tuple:
-    return (b.untyped_storage().data_ptr(), b.storage_offset(), tuple(b.shape), tuple(b.stride()),
-            b.dtype, str(b.device))
+stats = cache.stats
 
 
 def _check(w: torch.Tensor) -> None:
@@ -55,19 +47,7 @@ def _weight_colsum(b: torch.Tensor) -> torch.Tensor:
     _check(b)
     if torch.compiler.is_compiling() or b.requires_grad or getattr(b, "_is_fake", False):
         return colsum(b)
-    key = _key(b)
-    with _lock:
-        entry = _cache.get(key)
-        if entry is not None:
-            ref, version, sums = entry
-            if ref() is not None and version == b._version:
-                stats["hits"] += 1
-                return sums.clone()
-        sums = colsum(b)
-        stats["computed"] += 1
-        ref = weakref.ref(b, lambda _r, k=key: _cache.pop(k, None))
-        _cache[key] = (ref, b._version, sums)
-        return sums.clone()
+    return cache.get((b,), lambda: colsum(b)).clone()
 
 
 def _weight_colsum_fake(b: torch.Tensor) -> torch.Tensor:
@@ -82,6 +62,4 @@ weight_colsum = torch.ops.quantfuse.weight_colsum
 
 
 def clear_cache() -> None:
-    with _lock:
-        _cache.clear()
-        stats.update(computed=0, hits=0)
+    cache.clear()

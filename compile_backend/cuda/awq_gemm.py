@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
-import weakref
 
 import torch
 
 from .. import kernels
+from ..tensor_cache import TensorCache
 from . import awq_gemm_sm90
 
 STRIP_N = 64
@@ -94,42 +93,19 @@ def supports_dequantize(qweight, scales, qzeros, group_size) -> str | None:
 
 # --------------------------------------------------------------------------- repack cache
 
-_cache: dict[int, tuple] = {}
-_cache_lock = threading.Lock()
-stats = {"repacks": 0, "hits": 0}
-
-
-def _drop(key: int) -> None:
-    with _cache_lock:
-        _cache.pop(key, None)
+# qweight -> its fragment-layout copy; stats: "computed" = repacks, "hits"
+cache = TensorCache()
+stats = cache.stats
 
 
 def packed_weight(qweight: torch.Tensor) -> torch.Tensor:
     """The fragment-layout copy of ``qweight``, made once per weight (and again only if
-    the weight is modified in place)."""
-    key = id(qweight)
-    version, ptr = qweight._version, qweight.data_ptr()
-    entry = _cache.get(key)
-    if entry is not None:
-        ref, e_version, e_ptr, packed = entry
-        if ref() is qweight and e_version == version and e_ptr == ptr:
-            stats["hits"] += 1
-            return packed
-    packed = torch.ops.quantfuse._awq_repack_cuda(qweight.contiguous())
-    stats["repacks"] += 1
-    if torch.cuda.is_current_stream_capturing():
-        # Memory allocated during capture belongs to the graph's pool: do not keep it.
-        return packed
-    with _cache_lock:
-        if key not in _cache:
-            weakref.finalize(qweight, _drop, key)
-        _cache[key] = (weakref.ref(qweight), version, ptr, packed)
-    return packed
+    the weight is replaced or modified in place)."""
+    return cache.get((qweight,), lambda: torch.ops.quantfuse._awq_repack_cuda(qweight.contiguous()))
 
 
 def clear_cache() -> None:
-    with _cache_lock:
-        _cache.clear()
+    cache.clear()
 
 
 # --------------------------------------------------------------------------- launches

@@ -20,10 +20,9 @@ than dequantize + cuBLAS at every M from 128 to 8192 on the Llama shapes (1.04-3
 
 from __future__ import annotations
 
-import threading
-import weakref
-
 import torch
+
+from ..tensor_cache import TensorCache
 
 TILE_K = 64  # K % 64 == 0; group_size % 64 == 0 or group_size == K (csrc: kTileK)
 ALIGN_N = 128  # N % 128 == 0 (csrc: kAlignN)
@@ -67,46 +66,20 @@ def supports_prefill(x, qweight, scales, qzeros, group_size, bias=None, checked:
 
 # --------------------------------------------------------------------------- prepare cache
 
-_cache: dict[int, tuple] = {}
-_cache_lock = threading.Lock()
-stats = {"prepares": 0, "hits": 0}
-
-
-def _drop(key: int) -> None:
-    with _cache_lock:
-        _cache.pop(key, None)
-
-
-def _signature(t: torch.Tensor) -> tuple:
-    return (t.data_ptr(), t._version)
+# (qweight, scales, qzeros) -> the kernel's operands; stats: "computed" = prepares, "hits"
+cache = TensorCache()
+stats = cache.stats
 
 
 def prepared(qweight, scales, qzeros, group_size):
     """(wq, scales', zeros') for the kernel, made once per weight (again only if one of
     the three tensors is replaced or modified in place)."""
-    key = id(qweight)
-    sig = (_signature(qweight), _signature(scales), _signature(qzeros), group_size)
-    entry = _cache.get(key)
-    if entry is not None:
-        refs, e_sig, value = entry
-        if all(r() is t for r, t in zip(refs, (qweight, scales, qzeros))) and e_sig == sig:
-            stats["hits"] += 1
-            return value
-    value = torch.ops.quantfuse._awq_prepare_sm90_cuda(
-        qweight.contiguous(), scales.contiguous(), qzeros.contiguous(), group_size)
-    stats["prepares"] += 1
-    if torch.cuda.is_current_stream_capturing():
-        return value
-    with _cache_lock:
-        if key not in _cache:
-            weakref.finalize(qweight, _drop, key)
-        _cache[key] = ((weakref.ref(qweight), weakref.ref(scales), weakref.ref(qzeros)), sig, value)
-    return value
+    return cache.get((qweight, scales, qzeros), lambda: torch.ops.quantfuse._awq_prepare_sm90_cuda(
+        qweight.contiguous(), scales.contiguous(), qzeros.contiguous(), group_size), extra=(group_size,))
 
 
 def clear_cache() -> None:
-    with _cache_lock:
-        _cache.clear()
+    cache.clear()
 
 
 # --------------------------------------------------------------------------- launch

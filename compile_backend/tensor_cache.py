@@ -1,0 +1,65 @@
+"""A cache of values derived from tensors (repacked weights, column sums), made once per
+weight and never per call.
+
+An entry is keyed by where its source tensors' data lives (storage pointer, offset, shape,
+strides, dtype, device), so any tensor object viewing the same data finds it.  It is
+served only while each source's version counter is unchanged (an in-place write anywhere
+in the storage bumps it) and the tensors it was made from are alive; it is dropped when
+the first of them is freed, so memory reused by a new tensor never hits.  Values made
+while a CUDA graph is being captured are not kept (their memory belongs to the graph's
+pool).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+
+import torch
+
+
+def _where(t: torch.Tensor) -> tuple:
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype,
+            str(t.device))
+
+
+class TensorCache:
+    def __init__(self) -> None:
+        self._entries: dict[tuple, tuple] = {}
+        self._lock = threading.Lock()
+        # how many values were computed and how many were served from the cache (tests read it)
+        self.stats = {"computed": 0, "hits": 0}
+
+    def get(self, tensors: Sequence[torch.Tensor], make: Callable[[], object], extra: tuple = ()):
+        """The cached value for ``tensors`` (and the hashable ``extra``), else ``make()``'s."""
+        key = tuple(_where(t) for t in tensors) + extra
+        versions = tuple(t._version for t in tensors)
+        entry = self._entries.get(key)
+        if entry is not None:
+            refs, e_versions, value = entry
+            if e_versions == versions and all(r() is not None for r in refs):
+                self.stats["hits"] += 1
+                return value
+        value = make()
+        self.stats["computed"] += 1
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return value
+        with self._lock:
+            if key not in self._entries:
+                weakref.finalize(tensors[0], self._drop, key)
+            self._entries[key] = (tuple(weakref.ref(t) for t in tensors), versions, value)
+        return value
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _drop(self, key: tuple) -> None:
+        with self._lock:
+            self._entries.pop(key, None)
+
+    def clear(self) -> None:
+        """Drops every entry and zeroes the counts."""
+        with self._lock:
+            self._entries.clear()
+            self.stats.update(computed=0, hits=0)
