@@ -11,7 +11,7 @@ puts it in the graph next to the weight:
 * under ``freezing`` the weight is a constant and Inductor constant-folds the
   op away: the sums are computed once, at compile time;
 * otherwise the implementation caches the sums per weight (``tensor_cache``:
-  keyed by the weight's storage, offset, shape, strides, dtype and device,
+  keyed by the weight's data pointer, shape, strides, dtype and device,
   validated by the version counter, dropped when the weight is freed).  A call
   with an unchanged weight only copies the cached ``[N]`` vector: the op is
   functional, so it hands out a fresh tensor that the compiled graph may
