@@ -116,7 +116,11 @@ __global__ void __launch_bounds__(W * 32, min_warps_per_sm(NT, W) / W) awq_gemm_
     const int m = m0 + nt * 8 + g;
     xrow[nt] = m < M ? x + (size_t)m * K + 4 * t : nullptr;
   }
+#ifdef QF_AWQ_PROBE_MATH_ONLY  // probe knob: every strip reads strip 0's weights (L2-resident)
+  const uint4* wl = wp + lane;
+#else
   const uint4* wl = wp + (size_t)strip * KT * 32 + lane;
+#endif
   const int gsteps = group_size >> 4;
   const int groups = K / group_size;
   const uint16_t* s_lane = reinterpret_cast<const uint16_t*>(scales) + strip * kStripN + g;
