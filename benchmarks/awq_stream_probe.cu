@@ -15,8 +15,9 @@
 // decode request shapes (int8 [N, K] weights) instead; PROBE_FOCUS=1 the per-warp bulk ring and batched
 // readers with emulated work (the experiment behind the GEMM's batched loads); PROBE_CHOSEN=1
 // only the GEMM as the op launches it at M = 1 and 16; PROBE_RING=1 (with PROBE_GEMM_ONLY) the
-// producer-warp ring kernel of awq_ring_probe.cuh against the GEMM at M = 1 and 16, over its
-// split counts, with group 128 and per-channel scales.  -DQF_AWQ_BATCH=n builds the GEMM with
+// producer-warp ring kernel of awq_ring_probe.cuh (4 and 8 consumer warps) against the GEMM at
+// M = 1 and 16, over its split counts, with group 128 and per-channel scales;
+// -DQF_AWQ_PROBE_MATH_ONLY builds the GEMM with every strip reading strip 0's weights (from L2).  -DQF_AWQ_BATCH=n builds the GEMM with
 // another batch size, -DPROBE_L2_256B the batched and row readers' loads with the L2::256B
 // prefetch-size hint.  PROBE_DECODE=1 times the W8A8 decode kernel (int8, bf16 out, per-token x
 // per-channel + bias) as the op launches it, M = 1 and 16; -DQF_DECODE_L2_256B=0/1 builds it
@@ -642,44 +643,33 @@ int main() {
     for (int c = 0; c < copies; ++c) packed[c] = reinterpret_cast<uint32_t*>(w[c]);  // any bits will do
     float* partial;  // split-K workspace of the non-cluster path
     CK(cudaMalloc(&partial, (size_t)kMaxCluster * 16 * N * 4));
-    // ring: the producer-warp ring kernel (4 consumer warps), else the register kernel
     int gsize = G;  // PROBE_RING also times per-channel scales (one group): what group loads cost
-    // ring: 1 = the ring kernel v2 of awq_ring_probe.cuh, 3 / 8 = its v3 with 4 / 8 consumer warps; 0 = the GEMM
-    auto gemm = [&](int M, int warps, int splits, bool cluster = true, int ring = 0) {
-      const int s = splits > 0 ? splits : (ring ? ring_splits(M, N, K, dev) : gemm_splits(DType::kHalf, M, N, K, dev, warps));
+    // consumers: 4 or 8 = the ring kernel of awq_ring_probe.cuh with that many consumer warps
+    // (splits as given); 0 = the GEMM
+    auto gemm = [&](int M, int warps, int splits, bool cluster = true, int consumers = 0) {
+      const int s = splits > 0 ? splits : gemm_splits(DType::kHalf, M, N, K, dev, warps);
       const float us = time_graph(copies, [&](int c, cudaStream_t st) {
         const uint32_t* z = reinterpret_cast<const uint32_t*>(zr[c]);
-        CK(ring >= 3 ? launch_ring3(x[c], packed[c], sc[c], z, nullptr, out[c], partial, M, N, K, gsize, s, cluster,
-                                    ring == 3 ? 4 : 8, st)
-           : ring    ? launch_ring(x[c], packed[c], sc[c], z, nullptr, out[c], partial, M, N, K, gsize, s, cluster, dev, st)
-                     : launch_gemm(DType::kHalf, x[c], packed[c], sc[c], z, nullptr, out[c], partial, M, N, K, gsize, s,
-                                   warps, dev, cluster, st));
+        CK(consumers ? launch_ring(x[c], packed[c], sc[c], z, nullptr, out[c], partial, M, N, K, gsize, s, cluster,
+                                   consumers, st)
+                     : launch_gemm(DType::kHalf, x[c], packed[c], sc[c], z, nullptr, out[c], partial, M, N, K, gsize,
+                                   s, warps, dev, cluster, st));
       });
-      std::snprintf(name, sizeof name, "awq_gemm M=%d %s%d s%d%s%s%s", M, ring >= 3 ? "ring3v" : (ring ? "ring" : "w"),
-                    ring ? (ring == 8 ? 8 : 4) : warps, s, splits > 0 ? "" : " (chosen)", cluster ? "" : " no cluster",
+      std::snprintf(name, sizeof name, "awq_gemm M=%d %s%d s%d%s%s%s", M, consumers ? "ring" : "w",
+                    consumers ? consumers : warps, s, splits > 0 ? "" : " (chosen)", cluster ? "" : " no cluster",
                     gsize == K ? " G=K" : "");
       std::printf("N=%5d K=%5d %-34s %7.1f us %5.2f TB/s (all bytes)\n", N, K, name, us, all_bytes / us * 1e-6);
     };
-    if (std::getenv("PROBE_RING3") != nullptr) {  // ring v3 against the GEMM
-      for (int M : {1, 16}) {
-        gemm(M, 0, 0);
-        for (int sp : {1, 2, 4, 8}) gemm(M, 0, sp, true, 3);
-        for (int sp : {2, 4, 8}) gemm(M, 0, sp, false, 3);
-        for (int sp : {1, 2, 4, 8}) gemm(M, 0, sp, true, 8);
-        for (int sp : {2, 4, 8}) gemm(M, 0, sp, false, 8);
-      }
-    } else if (std::getenv("PROBE_RING") != nullptr) {  // the ring kernel against the register kernel
-      for (int M : {1, 16}) {
-        gemm(M, 0, 0);
-        gemm(M, 0, 0, true, 1);
-        for (int sp : {1, 2, 4, 8}) gemm(M, 0, sp, true, 1);
-        gemm(M, 0, 0, false, 1);
-      }
-      gsize = K;
-      for (int M : {1, 16}) {
-        gemm(M, 0, 0);
-        gemm(M, 0, 0, true, 1);
-        for (int sp : {1, 4}) gemm(M, 0, sp, true, 1);
+    if (std::getenv("PROBE_RING") != nullptr) {  // the ring kernel against the GEMM
+      for (int g : {G, K}) {
+        gsize = g;
+        for (int M : {1, 16}) {
+          gemm(M, 0, 0);
+          for (int consumers : {4, 8}) {
+            for (int sp : {1, 2, 4, 8}) gemm(M, 0, sp, true, consumers);
+            for (int sp : {2, 4, 8}) gemm(M, 0, sp, false, consumers);
+          }
+        }
       }
       gsize = G;
     } else if (std::getenv("PROBE_CHOSEN") != nullptr) {  // only what the op launches, M = 1 and 16

@@ -54,14 +54,6 @@ constexpr int kBatch = QF_AWQ_BATCH;
 // Weights are read once: a streaming load (evict-first in L1 and L2).
 __device__ __forceinline__ uint4 load_stream(const uint4* p) { return __ldcs(p); }
 
-// One quantization group's scales and zeros for this lane's 8 rows (rows g and g + 8 of the
-// strip's four 16-row tiles), raw, so the next group's can be in flight while this one is used.
-template <typename T>
-struct GroupRaw {
-  uint4 z[2];           // the strip's 8 packed zero words (AWQ nibble order)
-  uint32_t s[kTiles][2];  // scale bits of rows 16j + g and 16j + g + 8
-};
-
 // Resident warps per SM the register budget must allow: enough 16-byte loads in flight to
 // cover DRAM latency (fewer for more token tiles, whose accumulators need the registers).
 // Two token tiles in 4-warp blocks (chosen when the strips alone give two blocks per SM) load
@@ -80,8 +72,7 @@ __global__ void __launch_bounds__(W * 32, min_warps_per_sm(NT, W) / W) awq_gemm_
     const T* __restrict__ x, const uint4* __restrict__ wp, const T* __restrict__ scales,
     const uint32_t* __restrict__ qzeros, const T* __restrict__ bias, T* __restrict__ out,
     float* __restrict__ partial, int M, int N, int K, int group_size) {
-  using D = Dq<T>;
-  using Row = typename D::Row;
+  using Row = typename Dq<T>::Row;
   __shared__ __align__(16) float red[red_floats(NT)];
 
   const int splits = gridDim.x;
@@ -90,8 +81,6 @@ __global__ void __launch_bounds__(W * 32, min_warps_per_sm(NT, W) / W) awq_gemm_
   const int m0 = blockIdx.z * 8 * NT;
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
-  const int g = lane >> 2;
-  const int t = lane & 3;
   const int KT = K >> 4;
   const int per_block = (KT + splits - 1) / splits;
   const int kb = min(KT, split * per_block);
@@ -103,19 +92,9 @@ __global__ void __launch_bounds__(W * 32, min_warps_per_sm(NT, W) / W) awq_gemm_
   for (int i = threadIdx.x; i < red_floats(NT); i += W * 32) red[i] = 0.0f;
 
   float acc[kTiles][NT][4];
-#pragma unroll
-  for (int j = 0; j < kTiles; ++j)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[j][nt][i] = 0.0f;
-
+  zero_acc<NT>(acc);
   const T* xrow[NT];
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt) {
-    const int m = m0 + nt * 8 + g;
-    xrow[nt] = m < M ? x + (size_t)m * K + 4 * t : nullptr;
-  }
+  activation_rows<T, NT>(x, M, K, m0, lane, xrow);
 #ifdef QF_AWQ_PROBE_MATH_ONLY  // probe knob: every strip reads strip 0's weights (L2-resident)
   const uint4* wl = wp + lane;
 #else
@@ -123,31 +102,8 @@ __global__ void __launch_bounds__(W * 32, min_warps_per_sm(NT, W) / W) awq_gemm_
 #endif
   const int gsteps = group_size >> 4;
   const int groups = K / group_size;
-  const uint16_t* s_lane = reinterpret_cast<const uint16_t*>(scales) + strip * kStripN + g;
-  const uint4* z_strip = reinterpret_cast<const uint4*>(qzeros + strip * (kStripN / 8));
-  const int zshift = 4 * awq_order(g);
-
-  auto load_group = [&](int grp, GroupRaw<T>& r) {
-    const uint4* zp = z_strip + (size_t)grp * (N >> 5);
-    r.z[0] = __ldg(zp);
-    r.z[1] = __ldg(zp + 1);
-    const uint16_t* sp = s_lane + (size_t)grp * N;
-#pragma unroll
-    for (int j = 0; j < kTiles; ++j) {
-      r.s[j][0] = __ldg(sp + 16 * j);
-      r.s[j][1] = __ldg(sp + 16 * j + 8);
-    }
-  };
+  const StripGroups<T> meta(scales, qzeros, N, strip, lane);
   Row rows[kTiles][2];
-  auto make_rows = [&](const GroupRaw<T>& r) {
-    const uint32_t zw[8] = {r.z[0].x, r.z[0].y, r.z[0].z, r.z[0].w, r.z[1].x, r.z[1].y, r.z[1].z, r.z[1].w};
-#pragma unroll
-    for (int j = 0; j < kTiles; ++j) {
-      // row 16j + g + 8h of the strip: packed word 2j + h, nibble awq_order(g)
-      rows[j][0] = D::make(r.s[j][0], (zw[2 * j] >> zshift) & 0xFu);
-      rows[j][1] = D::make(r.s[j][1], (zw[2 * j + 1] >> zshift) & 0xFu);
-    }
-  };
 
   // Weights first: theirs is the latency that matters.
   constexpr int kB = batch_for(NT, W);  // k-steps per batch
@@ -157,20 +113,20 @@ __global__ void __launch_bounds__(W * 32, min_warps_per_sm(NT, W) / W) awq_gemm_
     if (wb + u < we) buf[0][u] = load_stream(wl + (size_t)(wb + u) * 32);
   int grp = wb / gsteps;
   int pos = wb - grp * gsteps;  // steps of the current group already behind us
-  GroupRaw<T> next;
+  GroupRaw next;
   if (wb < we) {
-    GroupRaw<T> first;
-    load_group(grp, first);
-    if (grp + 1 < groups) load_group(grp + 1, next);
-    make_rows(first);
+    GroupRaw first;
+    meta.load(grp, first);
+    if (grp + 1 < groups) meta.load(grp + 1, next);
+    meta.rows(first, rows);
   }
 
   auto step = [&](const uint4& w, int kt) {
     if (pos == gsteps) {
       pos = 0;
       ++grp;
-      make_rows(next);
-      if (grp + 1 < groups) load_group(grp + 1, next);
+      meta.rows(next, rows);
+      if (grp + 1 < groups) meta.load(grp + 1, next);
     }
     ++pos;
     uint32_t b[NT][2];
@@ -181,14 +137,7 @@ __global__ void __launch_bounds__(W * 32, min_warps_per_sm(NT, W) / W) awq_gemm_
       b[nt][0] = v.x;
       b[nt][1] = v.y;
     }
-    const uint32_t words[kTiles] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-    for (int j = 0; j < kTiles; ++j) {
-      uint32_t a[4];
-      D::frag(words[j], rows[j][0], rows[j][1], a);
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) D::mma(acc[j][nt], a, b[nt]);
-    }
+    mma_kstep<T, NT>(w, rows, b, acc);
   };
 
   // buf[0] holds the batch at kt; each half-iteration asks for the batch after the one it uses.
