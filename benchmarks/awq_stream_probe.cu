@@ -17,7 +17,8 @@
 // only the GEMM as the op launches it at M = 1 and 16; PROBE_RING=1 (with PROBE_GEMM_ONLY) the
 // producer-warp ring kernel of awq_ring_probe.cuh (4 and 8 consumer warps) against the GEMM at
 // M = 1 and 16, over its split counts, with group 128 and per-channel scales;
-// -DQF_AWQ_PROBE_MATH_ONLY builds the GEMM with every strip reading strip 0's weights (from L2).  -DQF_AWQ_BATCH=n builds the GEMM with
+// -DQF_AWQ_PROBE_MATH_ONLY builds the GEMM with every strip reading strip 0's weights (from L2),
+// -DQF_AWQ_NT1_WARPS=w with its registers capped for w resident warps per SM at M <= 8.  -DQF_AWQ_BATCH=n builds the GEMM with
 // another batch size, -DPROBE_L2_256B the batched and row readers' loads with the L2::256B
 // prefetch-size hint.  PROBE_DECODE=1 times the W8A8 decode kernel (int8, bf16 out, per-token x
 // per-channel + bias) as the op launches it, M = 1 and 16; -DQF_DECODE_L2_256B=0/1 builds it

@@ -62,8 +62,11 @@ __device__ __forceinline__ uint4 load_stream(const uint4* p) { return __ldcs(p);
 // the same change measured slower, so those keep batches of 4 at 12 warps per SM.
 // (A variant landing the weights in a per-warp shared-memory ring by cp.async instead of
 // registers measured slower on the H100: more instructions per step; notes_awq.md.)
+#ifndef QF_AWQ_NT1_WARPS  // probe knob: resident warps per SM for one token tile
+#define QF_AWQ_NT1_WARPS 16
+#endif
 __host__ __device__ constexpr int min_warps_per_sm(int nt, int w) {
-  return nt == 1 ? 16 : (nt == 2 ? (w == 4 ? 16 : 12) : 8);
+  return nt == 1 ? QF_AWQ_NT1_WARPS : (nt == 2 ? (w == 4 ? 16 : 12) : 8);
 }
 __host__ __device__ constexpr int batch_for(int nt, int w) { return nt == 2 && w == 4 ? 2 : kBatch; }
 
