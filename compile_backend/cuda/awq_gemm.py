@@ -5,8 +5,8 @@
 * M <= ``DECODE_MAX_M``: the weight-streaming tensor-core kernel (int4 dequantized in
   registers into mma.sync A fragments, K split over the SMs).  It reads the weight in
   its own fragment layout, made once per weight by ``_awq_repack_cuda`` and kept in a
-  cache keyed by the ``qweight`` tensor (its identity, storage pointer and
-  ``_version``): never per call.
+  ``TensorCache`` (compile_backend/tensor_cache.py: keyed by where the weight's data is,
+  valid while its version counter is unchanged): never per call.
 * larger M on Hopper: the CUTLASS mixed-input (TMA + wgmma) kernel of
   ``awq_gemm_sm90`` where it takes the shape (group size a multiple of 64 or per-channel,
   K % 64, N % 128);

@@ -8,10 +8,11 @@ operand is the register-sourced one.
 * ``supports_prefill(...)``: ``None`` when the kernel takes the inputs, else the reason.
 * ``launch_prefill(...)``: ``x @ W + bias``.  The weight is prepared (int4 moved to the
   kernel's [N, K] reordered layout, the zeros folded into ``-z * s``) by
-  ``_awq_prepare_sm90_cuda`` once per weight and kept in a cache keyed by the
-  (qweight, scales, qzeros) tensors (identity, storage pointer and ``_version`` of each);
-  an entry goes when its qweight is garbage-collected, and nothing is cached while a CUDA
-  stream is capturing (memory allocated then belongs to the graph's pool).
+  ``_awq_prepare_sm90_cuda`` once per weight and kept in a ``TensorCache``
+  (compile_backend/tensor_cache.py) keyed by where the (qweight, scales, qzeros) data is
+  and valid while their version counters are unchanged; an entry goes when its qweight is
+  garbage-collected, and nothing is cached while a CUDA stream is capturing (memory
+  allocated then belongs to the graph's pool).
 
 Which M to send here is the caller's choice.  Measured on an H100 (fp16, group 128): faster
 than dequantize + cuBLAS at every M from 128 to 8192 on the Llama shapes (1.04-3.2x), and
