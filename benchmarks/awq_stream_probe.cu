@@ -14,7 +14,7 @@
 // cluster); PROBE_PLACEMENT=1 counts the SMs a cluster launch uses; PROBE_W8A8=1 times W8A8
 // decode request shapes (int8 [N, K] weights) instead; PROBE_FOCUS=1 the per-warp bulk ring and batched
 // readers with emulated work (the experiment behind the GEMM's batched loads); PROBE_CHOSEN=1
-// only the GEMM as the op launches it at M = 1 and 16; PROBE_RING=1 (with PROBE_GEMM_ONLY) the
+// only the GEMM as the op launches it at M = 1, 8, 16 and 32; PROBE_RING=1 (with PROBE_GEMM_ONLY) the
 // producer-warp ring kernel of awq_ring_probe.cuh (4 and 8 consumer warps) against the GEMM at
 // M = 1 and 16, over its split counts, with group 128 and per-channel scales;
 // -DQF_AWQ_PROBE_MATH_ONLY builds the GEMM with every strip reading strip 0's weights (from L2),
@@ -578,15 +578,15 @@ int main() {
       CK(cudaMalloc(&w[c], wbytes));
       CK(cudaMalloc(&sc[c], (size_t)(K / G) * N * 2));
       CK(cudaMalloc(&zr[c], (size_t)(K / G) * N / 2));
-      CK(cudaMalloc(&x[c], (size_t)16 * K * 2));
-      CK(cudaMalloc(&out[c], (size_t)16 * N * 2));
+      CK(cudaMalloc(&x[c], (size_t)32 * K * 2));
+      CK(cudaMalloc(&out[c], (size_t)32 * N * 2));
       fill_random<<<1024, 256>>>(reinterpret_cast<uint32_t*>(w[c]), wbytes / 4, 17u * c + 1);
       fill_random<<<256, 256>>>(reinterpret_cast<uint32_t*>(zr[c]), (size_t)(K / G) * N / 8, 7u * c + 3);
       // scales and activations: small positive fp16 (0x1000 | low bits), never NaN or Inf
       std::vector<uint16_t> h((size_t)(K / G) * N);
       for (size_t i = 0; i < h.size(); ++i) h[i] = (uint16_t)(0x1000 | (i * 2654435761u >> 20 & 0x3ff));
       CK(cudaMemcpy(sc[c], h.data(), h.size() * 2, cudaMemcpyHostToDevice));
-      std::vector<uint16_t> hx((size_t)16 * K);
+      std::vector<uint16_t> hx((size_t)32 * K);
       for (size_t i = 0; i < hx.size(); ++i) hx[i] = (uint16_t)(0x3000 | (i * 40503u >> 6 & 0x3ff));
       CK(cudaMemcpy(x[c], hx.data(), hx.size() * 2, cudaMemcpyHostToDevice));
     }
@@ -643,7 +643,7 @@ int main() {
     std::vector<uint32_t*> packed(copies);
     for (int c = 0; c < copies; ++c) packed[c] = reinterpret_cast<uint32_t*>(w[c]);  // any bits will do
     float* partial;  // split-K workspace of the non-cluster path
-    CK(cudaMalloc(&partial, (size_t)kMaxCluster * 16 * N * 4));
+    CK(cudaMalloc(&partial, (size_t)kMaxCluster * 32 * N * 4));
     int gsize = G;  // PROBE_RING also times per-channel scales (one group): what group loads cost
     // consumers: 4 or 8 = the ring kernel of awq_ring_probe.cuh with that many consumer warps
     // (splits as given); 0 = the GEMM
@@ -673,8 +673,8 @@ int main() {
         }
       }
       gsize = G;
-    } else if (std::getenv("PROBE_CHOSEN") != nullptr) {  // only what the op launches, M = 1 and 16
-      for (int M : {1, 16}) gemm(M, 0, 0);
+    } else if (std::getenv("PROBE_CHOSEN") != nullptr) {  // only what the op launches, M = 1 to 32
+      for (int M : {1, 8, 16, 32}) gemm(M, 0, 0);
     } else {
       for (int M : {1, 16})
         for (int warps : {4, 8}) gemm(M, warps, 0);
