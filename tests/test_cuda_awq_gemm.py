@@ -31,20 +31,12 @@ M_ALL = (1, 2, 3, 7, 8, 15, 16, 17, 31, 32, 64, 100, 256, 1024, 4096)
 LLAMA = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
 
 
-def reference64(x, q, z, s, G, bias=None, streaming=None):
-    """float64 of x @ W and the per-element error scale.  The streaming kernel (M <=
-    DECODE_MAX_M through the op, any M through the private op: ``streaming=True``) applies
-    zeros and scales to fp32 accumulators, so its W is (q - z) * s exactly; the other paths
-    (the op's reference, the SM90 kernel, dequantize + cuBLAS) round W once to the
-    activation dtype."""
-    if streaming is None:
-        streaming = x.shape[0] <= awq_cuda.DECODE_MAX_M
+def reference64(x, q, z, s, G, bias=None):
+    """float64 of x @ W with W = (q - z) * s rounded once to the activation dtype (what
+    both the op's reference and the kernels compute), and the per-element error scale."""
     zz = z.repeat_interleave(G, dim=0)
     ss = s.repeat_interleave(G, dim=0)
-    if streaming:
-        w = (q - zz).to(torch.float64) * ss.to(torch.float64)
-    else:
-        w = ((q - zz).to(s.dtype) * ss).to(torch.float64)
+    w = ((q - zz).to(s.dtype) * ss).to(torch.float64)
     x64 = x.to(torch.float64)
     ref = x64 @ w
     mag = x64.abs() @ w.abs()
@@ -129,7 +121,7 @@ def test_kernel_block_variants(M, warps):
         poison(M * N, dtype)
         out = torch.ops.quantfuse._awq_gemm_cuda(x, awq_cuda.packed_weight(qw), s, qz, G, b, warps)
         torch.cuda.synchronize()
-        ref, mag = reference64(x, q, z, s, G, b, streaming=True)
+        ref, mag = reference64(x, q, z, s, G, b)
         check_close(out, ref, mag, dtype, f"warps={warps} M={M} N={N} K={K}")
 
 
@@ -149,7 +141,7 @@ def test_kernel_forced_splits(splits, cluster):
         poison(M * N, dtype)
         out = torch.ops.quantfuse._awq_gemm_cuda(x, awq_cuda.packed_weight(qw), s, qz, G, b, 4, splits, cluster)
         torch.cuda.synchronize()
-        ref, mag = reference64(x, q, z, s, G, b, streaming=True)
+        ref, mag = reference64(x, q, z, s, G, b)
         check_close(out, ref, mag, dtype, f"splits={splits} cluster={cluster} M={M} N={N} K={K} G={G}")
 
 
@@ -268,7 +260,7 @@ def test_fallback_unsupported_n(caplog):
     with caplog.at_level(logging.DEBUG, logger="compile_backend.kernels"):
         out = torch.ops.quantfuse.awq_gemm(x, qw, s, qz, G)
     assert "not a multiple of 64" in caplog.text
-    ref, mag = reference64(x, q, z, s, G, streaming=False)  # the op's reference ran
+    ref, mag = reference64(x, q, z, s, G)
     check_close(out, ref, mag, torch.float16, "fallback")
 
 

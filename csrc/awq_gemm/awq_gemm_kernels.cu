@@ -1,13 +1,12 @@
 // quantfuse AWQ W4A16 CUDA kernels (CUDA headers only; no torch).
 //
 // * awq_gemm_kernel (small M): streams the repacked int4 weights once (16-byte evict-first
-//   loads issued in contiguous batches, double-buffered in registers), turns the raw nibbles
-//   into mma.sync.m16n8k16 A fragments with masks alone (fp16 subnormals, or bf16 with a
-//   magic-number offset), accumulates in fp32 and applies each group's zeros and scales to
-//   the accumulators once per group.  A block owns a 64-row strip of N; its warps and, when
-//   the strips cannot fill the GPU, a cluster of blocks split K (details at the kernel).  The
-//   per-dtype fragments and MMA are in awq_dequant.cuh, the group fold, the strip's reduction
-//   buffer and output store in awq_gemm_strip.cuh.
+//   loads issued in contiguous batches, double-buffered in registers), dequantizes them in
+//   registers (lop3 + magic number, zeros and scales in half2/bfloat162 math) straight into
+//   mma.sync.m16n8k16 A fragments, and accumulates in fp32.  A block owns a 64-row strip of
+//   N; its warps and, when the strips cannot fill the GPU, a cluster of blocks split K
+//   (details at the kernel).  The per-dtype dequantization and MMA are in awq_dequant.cuh, the
+//   strip's reduction buffer and output store in awq_gemm_strip.cuh.
 // * awq_dequantize_kernel: the original AWQ layout to a dense [K, N] weight.
 // * awq_repack_kernel: the original AWQ layout to the GEMM's fragment layout.
 
@@ -70,32 +69,18 @@ __host__ __device__ constexpr int min_warps_per_sm(int nt, int w) {
 }
 __host__ __device__ constexpr int batch_for(int nt, int w) { return nt == 2 && w == 4 ? 2 : kBatch; }
 
-// Probe knobs (benchmarks/awq_stream_probe.cu): QF_AWQ_X_AHEAD = 1 loads the activations with
-// the weights, a batch ahead, for one token tile (2: also two token tiles in 8-warp blocks; 0:
-// never, each k-step loads its own); QF_AWQ_FOLD_EARLY = 1 makes a group's fold constants when it
-// starts (0: when it ends).
-#ifndef QF_AWQ_X_AHEAD
-#define QF_AWQ_X_AHEAD 2
-#endif
-#ifndef QF_AWQ_FOLD_EARLY
-#define QF_AWQ_FOLD_EARLY 0
-#endif
-__host__ __device__ constexpr bool x_ahead(int nt, int w) {
-  return QF_AWQ_X_AHEAD >= 1 && nt == 1 || QF_AWQ_X_AHEAD >= 2 && nt == 2 && w == 8 || QF_AWQ_X_AHEAD >= 3 && nt == 2 || QF_AWQ_X_AHEAD >= 4;
-}
-
 template <typename T, int NT, int W, bool CLUSTER>
 __global__ void __launch_bounds__(W * 32, min_warps_per_sm(NT, W) / W) awq_gemm_kernel(
     const T* __restrict__ x, const uint4* __restrict__ wp, const T* __restrict__ scales,
     const uint32_t* __restrict__ qzeros, const T* __restrict__ bias, T* __restrict__ out,
-    float* __restrict__ partial, int M, int N, int K, int group_size, int token_major) {
+    float* __restrict__ partial, int M, int N, int K, int group_size) {
+  using Row = typename Dq<T>::Row;
   __shared__ __align__(16) float red[red_floats(NT)];
 
-  // token_major (one split, no cluster): blockIdx.x is the token block (see run_gemm)
-  const int splits = token_major ? 1 : gridDim.x;
-  const int split = token_major ? 0 : blockIdx.x;
+  const int splits = gridDim.x;
+  const int split = blockIdx.x;
   const int strip = blockIdx.y;
-  const int m0 = (token_major ? blockIdx.x : blockIdx.z) * 8 * NT;
+  const int m0 = blockIdx.z * 8 * NT;
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
   const int KT = K >> 4;
@@ -108,12 +93,8 @@ __global__ void __launch_bounds__(W * 32, min_warps_per_sm(NT, W) / W) awq_gemm_
 
   for (int i = threadIdx.x; i < red_floats(NT); i += W * 32) red[i] = 0.0f;
 
-  // tot: the warp's sums; acc, sx: the current group's, folded into tot at its end
-  float tot[kTiles][NT][4], acc[kTiles][NT][4];
-  zero_acc<NT>(tot);
+  float acc[kTiles][NT][4];
   zero_acc<NT>(acc);
-  TokenSums<T, NT> sx;
-  sx.zero();
   const T* xrow[NT];
   activation_rows<T, NT>(x, M, K, m0, lane, xrow);
 #ifdef QF_AWQ_PROBE_MATH_ONLY  // probe knob: every strip reads strip 0's weights (L2-resident)
@@ -124,103 +105,69 @@ __global__ void __launch_bounds__(W * 32, min_warps_per_sm(NT, W) / W) awq_gemm_
   const int gsteps = group_size >> 4;
   const int groups = K / group_size;
   const StripGroups<T> meta(scales, qzeros, N, strip, lane);
+  Row rows[kTiles][2];
 
-  // A batch: kB k-steps of the lane's weights and of its activations (B fragments), asked for
-  // together one batch ahead, so that no k-step waits on a load issued in it.  Weights first:
-  // theirs is the latency that matters.
+  // Weights first: theirs is the latency that matters.
   constexpr int kB = batch_for(NT, W);  // k-steps per batch
-  constexpr int kXB = x_ahead(NT, W) ? kB : 1;
-  struct Batch {
-    uint4 w[kB];
-    uint2 x[kXB][NT];
-  };
-  auto load_x = [&](int k, int nt) {
-    return xrow[nt] != nullptr ? __ldg(reinterpret_cast<const uint2*>(xrow[nt] + (k << 4))) : make_uint2(0u, 0u);
-  };
-  auto load_batch = [&](Batch& bt, int k0) {
+  uint4 buf[2][kB];
 #pragma unroll
-    for (int u = 0; u < kB; ++u)
-      if (k0 + u < we) bt.w[u] = load_stream(wl + (size_t)(k0 + u) * 32);
-    if constexpr (x_ahead(NT, W)) {
-#pragma unroll
-      for (int u = 0; u < kB; ++u)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) bt.x[u][nt] = k0 + u < we ? load_x(k0 + u, nt) : make_uint2(0u, 0u);
-    }
-  };
-  Batch bat[2];
-  load_batch(bat[0], wb);
+  for (int u = 0; u < kB; ++u)
+    if (wb + u < we) buf[0][u] = load_stream(wl + (size_t)(wb + u) * 32);
   int grp = wb / gsteps;
   int pos = wb - grp * gsteps;  // steps of the current group already behind us
-  // The current group's fold constants are made when it starts (from scales and zeros asked
-  // for a group earlier), so they are ready when it ends.
-#if QF_AWQ_FOLD_EARLY
-  GroupFold fold;
-#else
-  GroupRaw cur;
-#endif
   GroupRaw next;
   if (wb < we) {
-#if QF_AWQ_FOLD_EARLY
-    GroupRaw cur;
-#endif
-    meta.load(grp, cur);
+    GroupRaw first;
+    meta.load(grp, first);
     if (grp + 1 < groups) meta.load(grp + 1, next);
-#if QF_AWQ_FOLD_EARLY
-    fold = meta.fold_constants(cur, lane);
-#endif
+    meta.rows(first, rows);
   }
-#if QF_AWQ_FOLD_EARLY
-  auto end_group = [&] { fold_group<T, NT>(fold, acc, sx, tot, lane); };
-#else
-  auto end_group = [&] { fold_group<T, NT>(meta.fold_constants(cur, lane), acc, sx, tot, lane); };
-#endif
 
-  auto step = [&](const Batch& bt, int u, int k) {
+  auto step = [&](const uint4& w, int kt) {
     if (pos == gsteps) {
-      end_group();
       pos = 0;
       ++grp;
-#if QF_AWQ_FOLD_EARLY
-      fold = meta.fold_constants(next, lane);
-#else
-      cur = next;
-#endif
+      meta.rows(next, rows);
       if (grp + 1 < groups) meta.load(grp + 1, next);
     }
     ++pos;
     uint32_t b[NT][2];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-      const uint2 v = x_ahead(NT, W) ? bt.x[x_ahead(NT, W) ? u : 0][nt] : load_x(k, nt);
+      uint2 v = make_uint2(0u, 0u);
+      if (xrow[nt] != nullptr) v = __ldg(reinterpret_cast<const uint2*>(xrow[nt] + (kt << 4)));
       b[nt][0] = v.x;
       b[nt][1] = v.y;
     }
-    mma_kstep<T, NT>(bt.w[u], b, acc, sx);
+    mma_kstep<T, NT>(w, rows, b, acc);
   };
 
-  // bat[0] holds the batch at kt; each half-iteration asks for the batch after the one it uses.
+  // buf[0] holds the batch at kt; each half-iteration asks for the batch after the one it uses.
   int kt = wb;
   for (; kt + 2 * kB <= we; kt += 2 * kB) {
-    load_batch(bat[1], kt + kB);
 #pragma unroll
-    for (int u = 0; u < kB; ++u) step(bat[0], u, kt + u);
-    load_batch(bat[0], kt + 2 * kB);
+    for (int u = 0; u < kB; ++u) buf[1][u] = load_stream(wl + (size_t)(kt + kB + u) * 32);
 #pragma unroll
-    for (int u = 0; u < kB; ++u) step(bat[1], u, kt + kB + u);
+    for (int u = 0; u < kB; ++u) step(buf[0][u], kt + u);
+#pragma unroll
+    for (int u = 0; u < kB; ++u)
+      if (kt + 2 * kB + u < we) buf[0][u] = load_stream(wl + (size_t)(kt + 2 * kB + u) * 32);
+#pragma unroll
+    for (int u = 0; u < kB; ++u) step(buf[1][u], kt + kB + u);
   }
   // fewer than 2 * kB steps left
-  load_batch(bat[1], kt + kB);
 #pragma unroll
   for (int u = 0; u < kB; ++u)
-    if (kt + u < we) step(bat[0], u, kt + u);
+    if (kt + kB + u < we) buf[1][u] = load_stream(wl + (size_t)(kt + kB + u) * 32);
 #pragma unroll
   for (int u = 0; u < kB; ++u)
-    if (kt + kB + u < we) step(bat[1], u, kt + kB + u);
+    if (kt + u < we) step(buf[0][u], kt + u);
+#pragma unroll
+  for (int u = 0; u < kB; ++u)
+    if (kt + kB + u < we) step(buf[1][u], kt + kB + u);
 
-  if (wb < we) end_group();
   __syncthreads();  // red zeroed by every thread
-  add_to_red<NT>(red, tot, lane);
+  add_to_red<NT>(red, acc, lane);
   __syncthreads();
   store_strip<T, CLUSTER, W * 32>(red, bias, out, partial, M, N, m0, min(8 * NT, M - m0));
 }
@@ -276,10 +223,9 @@ __global__ void awq_dequantize_kernel(const uint32_t* __restrict__ qweight, cons
 
 // ----------------------------------------------------------------------------- repack
 
-// Word j of lane (g, t) at k-step kt of a strip: nibble i holds W[k][n] of tile
-// 2*(j >> 1) + (i & 1) (low nibbles of each byte in the even tile, high ones in the odd), with
-// n = strip*64 + 16*tile + g + 8*((i >> 1) & 1) and k = 16*kt + 4t + (i >> 2) + 2*(j & 1)
-// (see Dq::frags in awq_dequant.cuh and the K permutation above).
+// Word j of lane (g, t) at k-step kt of a strip is the A fragment of the strip's tile j:
+// nibble i holds W[k][n] with n = strip*64 + 16j + g + 8*((i >> 1) & 1) and
+// k = 16*kt + 4t + (i >> 2) + 2*(i & 1) (see Dq::frag and the K permutation above).
 __global__ void awq_repack_kernel(const uint32_t* __restrict__ qweight, uint32_t* __restrict__ out, int K, int N) {
   const int KT = K >> 4;
   const int n8 = N >> 3;
@@ -292,8 +238,8 @@ __global__ void awq_repack_kernel(const uint32_t* __restrict__ qweight, uint32_t
     uint32_t word = 0;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      const int k = kt * 16 + 4 * (lane & 3) + (i >> 2) + 2 * (j & 1);
-      const int n = strip * kStripN + (2 * (j >> 1) + (i & 1)) * 16 + (lane >> 2) + 8 * ((i >> 1) & 1);
+      const int k = kt * 16 + 4 * (lane & 3) + (i >> 2) + 2 * (i & 1);
+      const int n = strip * kStripN + j * 16 + (lane >> 2) + 8 * ((i >> 1) & 1);
       const uint32_t src = __ldg(qweight + (size_t)k * n8 + (n >> 3));
       const uint32_t q = (src >> (4 * awq_order(n & 7))) & 0xFu;
       word |= q << (4 * i);
@@ -330,25 +276,15 @@ int occupancy_of() {
   return cached;
 }
 
-// Where the strips alone fill the GPU twice over (N / 64 >= 2 x SMs: no K split), 9 <= M <= 32
-// runs blocks of one token tile, one per 8 tokens, launched token-major (see run_gemm).
-#ifndef QF_AWQ_TOKEN_MAJOR  // probe knob: 0 = never
-#define QF_AWQ_TOKEN_MAJOR 1
-#endif
-bool token_major_for(int M, int N, int device) {
-  return QF_AWQ_TOKEN_MAJOR && M > 8 && M <= 32 && N / kStripN >= 2 * sm_count(device);
-}
 // Token tiles of 8 per block: 1, 2 or 4 (M > 32 runs several token blocks).
-int nt_for(int M, int N, int device) {
-  return M <= 8 || token_major_for(M, N, device) ? 1 : (M <= 16 ? 2 : 4);
-}
+int nt_for(int M) { return M <= 8 ? 1 : (M <= 16 ? 2 : 4); }
 // Warps per block: as asked (4 or 8), else chosen.  One token tile, or several token blocks:
 // 4 (more resident blocks to stream with).  9 <= M <= 32 (168-255 registers, 1-3 blocks per
 // SM): 8, unless the strips alone already give two blocks per SM.  Measured on the H100
 // (notes_awq.md; 4096 x 14336, M = 32: 33 µs with 8 warps against 46 with 4).
 int warps_for(int warps, int M, int N, int device) {
   if (warps == 4 || warps == 8) return warps;
-  if (nt_for(M, N, device) == 1 || M > 32) return 4;
+  if (nt_for(M) == 1 || M > 32) return 4;
   return N / kStripN >= 2 * sm_count(device) ? 4 : 8;
 }
 
@@ -366,7 +302,7 @@ int occupancy(int nt) {
 template <typename T>
 int splits_for(int M, int N, int K, int device, int warps) {
   const int W = warps_for(warps, M, N, device);
-  const int nt = nt_for(M, N, device);
+  const int nt = nt_for(M);
   const int occ = W == 8 ? occupancy<T, 8>(nt) : occupancy<T, 4>(nt);
   const int blocks = (N / kStripN) * ((M + 8 * nt - 1) / (8 * nt));
   const int slots = sm_count(device) * occ;
@@ -392,12 +328,8 @@ cudaError_t reduce_splits(cudaError_t launched, const float* partial, const T* b
 template <typename T, int NT, int W>
 cudaError_t run_gemm(const void* x, const uint32_t* wp, const void* scales, const uint32_t* qzeros,
                      const void* bias, void* out, float* partial, int M, int N, int K, int group_size, int splits,
-                     bool cluster, int device, cudaStream_t stream) {
-  // Token-major: the blocks of one strip (its token blocks) are launched next to each other, so
-  // all but the first find the strip's weights in L2.
-  const int tokens = (M + 8 * NT - 1) / (8 * NT);
-  const int token_major = NT == 1 && splits == 1 && token_major_for(M, N, device) ? 1 : 0;
-  const dim3 grid(token_major ? tokens : splits, N / kStripN, token_major ? 1 : tokens);
+                     bool cluster, cudaStream_t stream) {
+  const dim3 grid(splits, N / kStripN, (M + 8 * NT - 1) / (8 * NT));
   const T* xp = static_cast<const T*>(x);
   const uint4* wq = reinterpret_cast<const uint4*>(wp);
   const T* sp = static_cast<const T*>(scales);
@@ -406,21 +338,21 @@ cudaError_t run_gemm(const void* x, const uint32_t* wp, const void* scales, cons
   if (splits > 1 && cluster) {
     const ClusterLaunch launch(grid, dim3(W * 32), 0, stream, splits);
     return cudaLaunchKernelEx(&launch.cfg, awq_gemm_kernel<T, NT, W, true>, xp, wq, sp, qzeros, bp, op,
-                              static_cast<float*>(nullptr), M, N, K, group_size, 0);
+                              static_cast<float*>(nullptr), M, N, K, group_size);
   }
-  awq_gemm_kernel<T, NT, W, false><<<grid, W * 32, 0, stream>>>(
-      xp, wq, sp, qzeros, bp, op, splits > 1 ? partial : nullptr, M, N, K, group_size, token_major);
+  awq_gemm_kernel<T, NT, W, false><<<grid, W * 32, 0, stream>>>(xp, wq, sp, qzeros, bp, op,
+                                                                 splits > 1 ? partial : nullptr, M, N, K, group_size);
   return reduce_splits<T>(cudaGetLastError(), partial, bp, op, M, N, splits, stream);
 }
 
 template <typename T, int W>
 cudaError_t gemm_warps(const void* x, const uint32_t* wp, const void* scales, const uint32_t* qzeros,
                        const void* bias, void* out, float* partial, int M, int N, int K, int group_size, int splits,
-                       bool cluster, int device, cudaStream_t stream) {
-  switch (nt_for(M, N, device)) {
-    case 1: return run_gemm<T, 1, W>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, device, stream);
-    case 2: return run_gemm<T, 2, W>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, device, stream);
-    default: return run_gemm<T, 4, W>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, device, stream);
+                       bool cluster, cudaStream_t stream) {
+  switch (nt_for(M)) {
+    case 1: return run_gemm<T, 1, W>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, stream);
+    case 2: return run_gemm<T, 2, W>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, stream);
+    default: return run_gemm<T, 4, W>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, stream);
   }
 }
 
@@ -429,10 +361,8 @@ cudaError_t gemm_dtype(const void* x, const uint32_t* wp, const void* scales, co
                        const void* bias, void* out, float* partial, int M, int N, int K, int group_size, int splits,
                        int warps, bool cluster, int device, cudaStream_t stream) {
   if (warps_for(warps, M, N, device) == 8)
-    return gemm_warps<T, 8>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, device,
-                            stream);
-  return gemm_warps<T, 4>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, device,
-                          stream);
+    return gemm_warps<T, 8>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, stream);
+  return gemm_warps<T, 4>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, stream);
 }
 
 unsigned grid_for(size_t work, int threads) {
