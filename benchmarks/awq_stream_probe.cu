@@ -567,6 +567,7 @@ int main() {
     return 0;
   }
   const int shapes[4][2] = {{28672, 4096}, {4096, 14336}, {4096, 4096}, {6144, 4096}};
+  constexpr int kMaxTokens = 32;  // the largest M any GEMM call below makes
   for (auto& sh : shapes) {
     const int N = sh[0], K = sh[1], G = 128;
     const size_t wbytes = (size_t)N * K / 2;
@@ -578,15 +579,15 @@ int main() {
       CK(cudaMalloc(&w[c], wbytes));
       CK(cudaMalloc(&sc[c], (size_t)(K / G) * N * 2));
       CK(cudaMalloc(&zr[c], (size_t)(K / G) * N / 2));
-      CK(cudaMalloc(&x[c], (size_t)32 * K * 2));
-      CK(cudaMalloc(&out[c], (size_t)32 * N * 2));
+      CK(cudaMalloc(&x[c], (size_t)kMaxTokens * K * 2));
+      CK(cudaMalloc(&out[c], (size_t)kMaxTokens * N * 2));
       fill_random<<<1024, 256>>>(reinterpret_cast<uint32_t*>(w[c]), wbytes / 4, 17u * c + 1);
       fill_random<<<256, 256>>>(reinterpret_cast<uint32_t*>(zr[c]), (size_t)(K / G) * N / 8, 7u * c + 3);
       // scales and activations: small positive fp16 (0x1000 | low bits), never NaN or Inf
       std::vector<uint16_t> h((size_t)(K / G) * N);
       for (size_t i = 0; i < h.size(); ++i) h[i] = (uint16_t)(0x1000 | (i * 2654435761u >> 20 & 0x3ff));
       CK(cudaMemcpy(sc[c], h.data(), h.size() * 2, cudaMemcpyHostToDevice));
-      std::vector<uint16_t> hx((size_t)32 * K);
+      std::vector<uint16_t> hx((size_t)kMaxTokens * K);
       for (size_t i = 0; i < hx.size(); ++i) hx[i] = (uint16_t)(0x3000 | (i * 40503u >> 6 & 0x3ff));
       CK(cudaMemcpy(x[c], hx.data(), hx.size() * 2, cudaMemcpyHostToDevice));
     }
@@ -643,7 +644,7 @@ int main() {
     std::vector<uint32_t*> packed(copies);
     for (int c = 0; c < copies; ++c) packed[c] = reinterpret_cast<uint32_t*>(w[c]);  // any bits will do
     float* partial;  // split-K workspace of the non-cluster path
-    CK(cudaMalloc(&partial, (size_t)kMaxCluster * 32 * N * 4));
+    CK(cudaMalloc(&partial, (size_t)kMaxCluster * kMaxTokens * N * 4));
     int gsize = G;  // PROBE_RING also times per-channel scales (one group): what group loads cost
     // consumers: 4 or 8 = the ring kernel of awq_ring_probe.cuh with that many consumer warps
     // (splits as given); 0 = the GEMM
