@@ -41,33 +41,37 @@ def bf16_round(f):
     return (b + 0x7FFF + ((b >> 16) & 1)) >> 16
 
 
+def sites(repacked):
+    """Every (strip, k-step, group, lane) with the lane's four repacked words."""
+    for strip in range(N // 64):
+        for kt in range(K // 16):
+            for lane in range(32):
+                yield strip, kt, kt * 16 // G, lane, [repacked(strip, kt, lane, j) for j in range(4)]
+
+
 def check_bf16(q, z, s_bits, repacked, own_z):
     """Dq<bf16>: fold fragments read 128 + q; scaled ones bf16(bf16(q - z) * s)."""
     ok = True
-    for strip in range(N // 64):
-        for kt in range(K // 16):
-            grp = kt * 16 // G
-            for lane in range(32):
-                g, t = lane >> 2, lane & 3
-                w = [repacked(strip, kt, lane, j) for j in range(4)]
-                for p in range(2):
-                    u, v = w[2 * p], w[2 * p + 1]
-                    srcs = {2 * p: [u, u >> 8, v, v >> 8], 2 * p + 1: [u >> 4, u >> 12, v >> 4, v >> 12]}
-                    for tile, src in srcs.items():
-                        for r in range(4):
-                            word = (src[r] & 0x000F000F) | 0x43004300
-                            for hh in range(2):
-                                row = 16 * tile + g + 8 * (r & 1)
-                                k = kt * 16 + 4 * t + hh + 2 * (r >> 1)
-                                n = strip * 64 + row
-                                val = bf16_value((word >> (16 * hh)) & 0xFFFF)
-                                ok &= val == 128 + q[k, n]
-                                # the row's constants, as the lane (g, tile) made them: (128 + z), s
-                                zz = own_z(strip, grp, (lane & ~3) | tile, r & 1)
-                                diff = bf16_round(np.float32(val) - bf16_value(0x4300 | zz))
-                                got = bf16_round(np.float32(bf16_value(diff)) * bf16_value(s_bits[grp, n]))
-                                want = bf16_round(np.float32(q[k, n] - z[grp, n]) * bf16_value(s_bits[grp, n]))
-                                ok &= got == want
+    for strip, kt, grp, lane, w in sites(repacked):
+        g, t = lane >> 2, lane & 3
+        for p in range(2):
+            u, v = w[2 * p], w[2 * p + 1]
+            srcs = {2 * p: [u, u >> 8, v, v >> 8], 2 * p + 1: [u >> 4, u >> 12, v >> 4, v >> 12]}
+            for tile, src in srcs.items():
+                for r in range(4):
+                    word = (src[r] & 0x000F000F) | 0x43004300
+                    for hh in range(2):
+                        row = 16 * tile + g + 8 * (r & 1)
+                        k = kt * 16 + 4 * t + hh + 2 * (r >> 1)
+                        n = strip * 64 + row
+                        val = bf16_value((word >> (16 * hh)) & 0xFFFF)
+                        ok &= val == 128 + q[k, n]
+                        # the row's constants, as the lane (g, tile) made them: (128 + z), s
+                        zz = own_z(strip, grp, (lane & ~3) | tile, r & 1)
+                        diff = bf16_round(np.float32(val) - bf16_value(0x4300 | zz))
+                        got = bf16_round(np.float32(bf16_value(diff)) * bf16_value(s_bits[grp, n]))
+                        want = bf16_round(np.float32(q[k, n] - z[grp, n]) * bf16_value(s_bits[grp, n]))
+                        ok &= got == want
     return bool(ok)
 
 
@@ -94,31 +98,27 @@ def main():
         return {"zlo": half(0x6400 | zz), "zhi": half(0xD400 | (zz << 4)), "s": s[grp, n]}
 
     ok = True
-    for strip in range(N // 64):
-        for kt in range(K // 16):
-            grp = kt * 16 // G
-            for lane in range(32):
-                g, t = lane >> 2, lane & 3
-                rows = [[own_row(strip, grp, (lane & ~3) | j, h) for h in range(2)] for j in range(4)]
-                w = [repacked(strip, kt, lane, j) for j in range(4)]
-                for p in range(2):
-                    src = [w[2 * p], w[2 * p] >> 8, w[2 * p + 1], w[2 * p + 1] >> 8]
-                    for r in range(4):
-                        lo, hi = rows[2 * p][r & 1], rows[2 * p + 1][r & 1]
-                        raw = {2 * p: halves(src[r] & 0x000F000F).view(np.uint16),
-                               2 * p + 1: halves(src[r] & 0x00F000F0).view(np.uint16)}
-                        t_lo = halves((src[r] & 0x000F000F) | 0x64006400)
-                        t_hi = halves((src[r] & 0x00F000F0) | 0x64006400)
-                        scaled = {2 * p: ((t_lo - lo["zlo"]) * lo["s"]).astype(np.float16),
-                                  2 * p + 1: (np.float16(t_hi.astype(np.float32) / 16 + np.float32(hi["zhi"]))
-                                              * hi["s"]).astype(np.float16)}
-                        for tile, unit in ((2 * p, 1), (2 * p + 1, 16)):
-                            for hh in range(2):
-                                row = 16 * tile + g + 8 * (r & 1)
-                                k = kt * 16 + 4 * t + hh + 2 * (r >> 1)
-                                n = strip * 64 + row
-                                ok &= raw[tile][hh] == q[k, n] * unit
-                                ok &= scaled[tile][hh] == np.float16(np.float16(q[k, n] - z[grp, n]) * s[grp, n])
+    for strip, kt, grp, lane, w in sites(repacked):
+        g, t = lane >> 2, lane & 3
+        rows = [[own_row(strip, grp, (lane & ~3) | j, h) for h in range(2)] for j in range(4)]
+        for p in range(2):
+            src = [w[2 * p], w[2 * p] >> 8, w[2 * p + 1], w[2 * p + 1] >> 8]
+            for r in range(4):
+                lo, hi = rows[2 * p][r & 1], rows[2 * p + 1][r & 1]
+                raw = {2 * p: halves(src[r] & 0x000F000F).view(np.uint16),
+                       2 * p + 1: halves(src[r] & 0x00F000F0).view(np.uint16)}
+                t_lo = halves((src[r] & 0x000F000F) | 0x64006400)
+                t_hi = halves((src[r] & 0x00F000F0) | 0x64006400)
+                scaled = {2 * p: ((t_lo - lo["zlo"]) * lo["s"]).astype(np.float16),
+                          2 * p + 1: (np.float16(t_hi.astype(np.float32) / 16 + np.float32(hi["zhi"]))
+                                      * hi["s"]).astype(np.float16)}
+                for tile, unit in ((2 * p, 1), (2 * p + 1, 16)):
+                    for hh in range(2):
+                        row = 16 * tile + g + 8 * (r & 1)
+                        k = kt * 16 + 4 * t + hh + 2 * (r >> 1)
+                        n = strip * 64 + row
+                        ok &= raw[tile][hh] == q[k, n] * unit
+                        ok &= scaled[tile][hh] == np.float16(np.float16(q[k, n] - z[grp, n]) * s[grp, n])
     print("fp16: fold and scaled fragments match:", bool(ok))
 
     s_bits = rng.integers(0x3A00, 0x3C00, (K // G, N))  # bf16 scales in [2^-11, 2^-7)
