@@ -41,94 +41,94 @@ def bf16_round(f):
     return (b + 0x7FFF + ((b >> 16) & 1)) >> 16
 
 
-def sites(repacked):
-    """Every (strip, k-step, group, lane) with the lane's four repacked words."""
-    for strip in range(N // 64):
-        for kt in range(K // 16):
-            for lane in range(32):
-                yield strip, kt, kt * 16 // G, lane, [repacked(strip, kt, lane, j) for j in range(4)]
+class Weight:
+    """A random AWQ weight, its packed and repacked forms, and the kernel's per-lane views."""
 
+    def __init__(self, rng):
+        self.q = rng.integers(0, 16, (K, N))
+        self.z = rng.integers(0, 16, (K // G, N))
+        self.qw, self.qz = pack(self.q), pack(self.z)
 
-def check_bf16(q, z, s_bits, repacked, own_z):
-    """Dq<bf16>: fold fragments read 128 + q; scaled ones bf16(bf16(q - z) * s)."""
-    ok = True
-    for strip, kt, grp, lane, w in sites(repacked):
+    def repacked(self, strip, kt, lane, j):  # awq_repack_kernel, word j of a lane
+        word = 0
+        for i in range(8):
+            k = kt * 16 + 4 * (lane & 3) + (i >> 2) + 2 * (j & 1)
+            n = strip * 64 + (2 * (j >> 1) + (i & 1)) * 16 + (lane >> 2) + 8 * ((i >> 1) & 1)
+            word |= ((int(self.qw[k, n >> 3]) >> (4 * awq_order(n & 7))) & 0xF) << (4 * i)
+        return word
+
+    def own_z(self, strip, grp, lane, h):  # StripGroups: the zero of the lane's row 16t + g + 8h
         g, t = lane >> 2, lane & 3
-        for p in range(2):
-            u, v = w[2 * p], w[2 * p + 1]
-            srcs = {2 * p: [u, u >> 8, v, v >> 8], 2 * p + 1: [u >> 4, u >> 12, v >> 4, v >> 12]}
-            for tile, src in srcs.items():
-                for r in range(4):
-                    word = (src[r] & 0x000F000F) | 0x43004300
-                    for hh in range(2):
-                        row = 16 * tile + g + 8 * (r & 1)
-                        k = kt * 16 + 4 * t + hh + 2 * (r >> 1)
-                        n = strip * 64 + row
-                        val = bf16_value((word >> (16 * hh)) & 0xFFFF)
-                        ok &= val == 128 + q[k, n]
-                        # the row's constants, as the lane (g, tile) made them: (128 + z), s
-                        zz = own_z(strip, grp, (lane & ~3) | tile, r & 1)
-                        diff = bf16_round(np.float32(val) - bf16_value(0x4300 | zz))
-                        got = bf16_round(np.float32(bf16_value(diff)) * bf16_value(s_bits[grp, n]))
-                        want = bf16_round(np.float32(q[k, n] - z[grp, n]) * bf16_value(s_bits[grp, n]))
-                        ok &= got == want
+        zword = int(self.qz[grp, (strip * 64 + 16 * t + 8 * h) // 8])
+        return (zword >> (4 * awq_order(g))) & 0xF
+
+    def sites(self):
+        """Every fragment value: (strip, group, lane, tile, register r, half hh, k, n, the lane's
+        four repacked words)."""
+        for strip in range(N // 64):
+            for kt in range(K // 16):
+                grp = kt * 16 // G
+                for lane in range(32):
+                    g, t = lane >> 2, lane & 3
+                    w = [self.repacked(strip, kt, lane, j) for j in range(4)]
+                    for tile in range(4):
+                        for r in range(4):
+                            for hh in range(2):
+                                k = kt * 16 + 4 * t + hh + 2 * (r >> 1)
+                                n = strip * 64 + 16 * tile + g + 8 * (r & 1)
+                                yield strip, grp, lane, tile, r, hh, k, n, w
+
+
+def sources(w, tile):
+    """The words frags() masks for the tile's registers: (w0, w0 >> 8, w1, w1 >> 8) of the
+    tile's word pair, the even tile's low nibbles and the odd tile's high ones."""
+    u, v = w[tile & ~1], w[(tile & ~1) + 1]
+    return [u, u >> 8, v, v >> 8]
+
+
+def check_fp16(wt, s):
+    """Dq<half>: fold fragments read q * 2^-24 (even tile) or q * 2^-20 (odd) as raw bits;
+    scaled ones fp16((q - z) * s) from (1024 + q) - (1024 + z) or (1024 + 16q)/16 - (64 + z)."""
+    ok = True
+    for strip, grp, lane, tile, r, hh, k, n, w in wt.sites():
+        src = sources(w, tile)[r]
+        mask = 0x00F000F0 if tile & 1 else 0x000F000F
+        raw = int(halves(src & mask).view(np.uint16)[hh])
+        ok &= raw == wt.q[k, n] * (16 if tile & 1 else 1)
+        # the row's constants, as the lane (g, tile) made them
+        zz = wt.own_z(strip, grp, (lane & ~3) | tile, r & 1)
+        t_val = halves((src & mask) | 0x64006400)[hh]
+        if tile & 1:
+            got = np.float16(np.float16(np.float32(t_val) / 16 + np.float32(half(0xD400 | (zz << 4)))) * s[grp, n])
+        else:
+            got = np.float16((t_val - half(0x6400 | zz)) * s[grp, n])
+        ok &= got == np.float16(np.float16(wt.q[k, n] - wt.z[grp, n]) * s[grp, n])
+    return bool(ok)
+
+
+def check_bf16(wt, s_bits):
+    """Dq<bf16>: fold fragments read 128 + q; scaled ones bf16(bf16(q - z) * s).  Each nibble is
+    shifted to the bottom of its half: the odd tile's sources are 4 bits further down."""
+    ok = True
+    for strip, grp, lane, tile, r, hh, k, n, w in wt.sites():
+        src = sources(w, tile)[r] >> (4 if tile & 1 else 0)
+        val = bf16_value((((src & 0x000F000F) | 0x43004300) >> (16 * hh)) & 0xFFFF)
+        ok &= val == 128 + wt.q[k, n]
+        zz = wt.own_z(strip, grp, (lane & ~3) | tile, r & 1)
+        diff = bf16_round(np.float32(val) - bf16_value(0x4300 | zz))
+        got = bf16_round(np.float32(bf16_value(diff)) * bf16_value(s_bits[grp, n]))
+        want = bf16_round(np.float32(wt.q[k, n] - wt.z[grp, n]) * bf16_value(s_bits[grp, n]))
+        ok &= got == want
     return bool(ok)
 
 
 def main():
     rng = np.random.default_rng(1)
-    q = rng.integers(0, 16, (K, N))
-    z = rng.integers(0, 16, (K // G, N))
+    wt = Weight(rng)
     s = (rng.random((K // G, N)) * 2e-3 + 1e-4).astype(np.float16)
-    qw, qz = pack(q), pack(z)
-
-    def repacked(strip, kt, lane, j):  # awq_repack_kernel, word j of a lane
-        word = 0
-        for i in range(8):
-            k = kt * 16 + 4 * (lane & 3) + (i >> 2) + 2 * (j & 1)
-            n = strip * 64 + (2 * (j >> 1) + (i & 1)) * 16 + (lane >> 2) + 8 * ((i >> 1) & 1)
-            word |= ((int(qw[k, n >> 3]) >> (4 * awq_order(n & 7))) & 0xF) << (4 * i)
-        return word
-
-    def own_row(strip, grp, lane, h):  # Dq<half>::make for row 16t + g + 8h of the lane
-        g, t = lane >> 2, lane & 3
-        zword = int(qz[grp, (strip * 64 + 16 * t + 8 * h) // 8])
-        zz = (zword >> (4 * awq_order(g))) & 0xF
-        n = strip * 64 + 16 * t + g + 8 * h
-        return {"zlo": half(0x6400 | zz), "zhi": half(0xD400 | (zz << 4)), "s": s[grp, n]}
-
-    ok = True
-    for strip, kt, grp, lane, w in sites(repacked):
-        g, t = lane >> 2, lane & 3
-        rows = [[own_row(strip, grp, (lane & ~3) | j, h) for h in range(2)] for j in range(4)]
-        for p in range(2):
-            src = [w[2 * p], w[2 * p] >> 8, w[2 * p + 1], w[2 * p + 1] >> 8]
-            for r in range(4):
-                lo, hi = rows[2 * p][r & 1], rows[2 * p + 1][r & 1]
-                raw = {2 * p: halves(src[r] & 0x000F000F).view(np.uint16),
-                       2 * p + 1: halves(src[r] & 0x00F000F0).view(np.uint16)}
-                t_lo = halves((src[r] & 0x000F000F) | 0x64006400)
-                t_hi = halves((src[r] & 0x00F000F0) | 0x64006400)
-                scaled = {2 * p: ((t_lo - lo["zlo"]) * lo["s"]).astype(np.float16),
-                          2 * p + 1: (np.float16(t_hi.astype(np.float32) / 16 + np.float32(hi["zhi"]))
-                                      * hi["s"]).astype(np.float16)}
-                for tile, unit in ((2 * p, 1), (2 * p + 1, 16)):
-                    for hh in range(2):
-                        row = 16 * tile + g + 8 * (r & 1)
-                        k = kt * 16 + 4 * t + hh + 2 * (r >> 1)
-                        n = strip * 64 + row
-                        ok &= raw[tile][hh] == q[k, n] * unit
-                        ok &= scaled[tile][hh] == np.float16(np.float16(q[k, n] - z[grp, n]) * s[grp, n])
-    print("fp16: fold and scaled fragments match:", bool(ok))
-
     s_bits = rng.integers(0x3A00, 0x3C00, (K // G, N))  # bf16 scales in [2^-11, 2^-7)
-
-    def own_z(strip, grp, lane, h):  # the zero of row 16t + g + 8h, from the packed word
-        g, t = lane >> 2, lane & 3
-        zword = int(qz[grp, (strip * 64 + 16 * t + 8 * h) // 8])
-        return (zword >> (4 * awq_order(g))) & 0xF
-
-    print("bf16: fold and scaled fragments match:", check_bf16(q, z, s_bits, repacked, own_z))
+    print("fp16: fold and scaled fragments match:", check_fp16(wt, s))
+    print("bf16: fold and scaled fragments match:", check_bf16(wt, s_bits))
 
 
 if __name__ == "__main__":
