@@ -5,7 +5,8 @@
 // is faster on every shape, the whole kernel slower (benchmarks/notes_awq.md).  This is the third
 // version; the first two (every piece of a stage copied into the ring: activation rows, scales,
 // zeros) are in git history at 97df689.  sm_90 only; included after the kernel file (uses its
-// Dq, StripGroups, store_strip, reduce_splits).
+// Dq, StripGroups, store_strip, reduce_splits).  Since session 9 its consumers do the register
+// kernel's math (raw nibbles into the MMA, zeros and scales folded in once per share of a stage).
 //
 // Block: C consumer warps + 1 producer warp, one 64-row strip of N and a contiguous range of K
 // (K split over a cluster, or a workspace, as the register kernel).  A stage holds kR3Steps
@@ -98,7 +99,6 @@ __global__ void __launch_bounds__((C + 1) * 32, r3_blocks_per_sm(C)) awq_gemm_ri
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int kPerWarp = kR3Steps / C;
   constexpr int kThreads = (C + 1) * 32;
-  using Row = typename Dq<T>::Row;
   extern __shared__ __align__(128) uint8_t smem[];
   float* red = reinterpret_cast<float*>(smem);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + red_floats(NT) * 4);
@@ -140,15 +140,17 @@ __global__ void __launch_bounds__((C + 1) * 32, r3_blocks_per_sm(C)) awq_gemm_ri
       }
     }
   } else {
-    float acc[kTiles][NT][4];
+    float tot[kTiles][NT][4], acc[kTiles][NT][4];
+    zero_acc<NT>(tot);
     zero_acc<NT>(acc);
+    TokenSums<T, NT> sx;
+    sx.zero();
     const T* xrow[NT];
     activation_rows<T, NT>(x, M, K, m0, lane, xrow);
     const StripGroups<T> meta(scales, qzeros, N, strip, lane);
-    Row rows[kTiles][2];
     const int s0 = warp * kPerWarp;
     auto grp_of = [&](int i) { return ((kb + i * kR3Steps + s0) * 16) / group_size; };
-    GroupRaw raw;  // the group of the warp's next stage, loaded a stage ahead
+    GroupRaw raw, cur_raw;  // the group of the warp's next stage, loaded a stage ahead; this one's
     int cur = -1;
     if (slots > 0 && s0 < min(kR3Steps, ke - kb)) meta.load(grp_of(0), raw);
     int st = 0;
@@ -172,7 +174,7 @@ __global__ void __launch_bounds__((C + 1) * 32, r3_blocks_per_sm(C)) awq_gemm_ri
         const int gh = grp_of(i);
         if (gh != cur) {
           cur = gh;
-          meta.rows(raw, rows);
+          cur_raw = raw;
         }
         if (i + 1 < slots && s0 < min(kR3Steps, ke - k0 - kR3Steps)) {
           const int gn = grp_of(i + 1);
@@ -183,7 +185,7 @@ __global__ void __launch_bounds__((C + 1) * 32, r3_blocks_per_sm(C)) awq_gemm_ri
 #ifndef QF_RING_SKIP_MATH
       const uint8_t* slot = ring + st * kR3Steps * 512;
       auto step = [&](int u) {
-        mma_kstep<T, NT>(*reinterpret_cast<const uint4*>(slot + (s0 + u) * 512 + lane * 16), rows, b[u], acc);
+        mma_kstep<T, NT>(*reinterpret_cast<const uint4*>(slot + (s0 + u) * 512 + lane * 16), b[u], acc, sx);
       };
       if (s0 + kPerWarp <= n) {  // the common case, branch-free so the steps interleave
 #pragma unroll
@@ -193,6 +195,7 @@ __global__ void __launch_bounds__((C + 1) * 32, r3_blocks_per_sm(C)) awq_gemm_ri
         for (int u = 0; u < kPerWarp; ++u)
           if (s0 + u < n) step(u);
       }
+      if (active) fold_group<T, NT>(meta.fold_constants(cur_raw, lane), acc, sx, tot, lane);  // a share: one group
 #endif
       __syncwarp();  // every lane has read the stage
       if (lane == 0) mbar_arrive(&empty[st]);
@@ -201,7 +204,7 @@ __global__ void __launch_bounds__((C + 1) * 32, r3_blocks_per_sm(C)) awq_gemm_ri
         parity ^= 1u;
       }
     }
-    add_to_red<NT>(red, acc, lane);
+    add_to_red<NT>(red, tot, lane);
   }
   __syncthreads();
   store_strip<T, CLUSTER, kThreads>(red, bias, out, partial, M, N, m0, mb);

@@ -14,7 +14,8 @@
 // cluster); PROBE_PLACEMENT=1 counts the SMs a cluster launch uses; PROBE_W8A8=1 times W8A8
 // decode request shapes (int8 [N, K] weights) instead; PROBE_FOCUS=1 the per-warp bulk ring and batched
 // readers with emulated work (the experiment behind the GEMM's batched loads); PROBE_CHOSEN=1
-// only the GEMM as the op launches it at M = 1, 8, 16 and 32; PROBE_RING=1 (with PROBE_GEMM_ONLY) the
+// only the GEMM as the op launches it at M = 1, 8, 16 and 32; PROBE_WARPS=1 (with PROBE_GEMM_ONLY)
+// the GEMM at M = 16 and 32 in 4- and 8-warp blocks, splits chosen for each; PROBE_RING=1 (with PROBE_GEMM_ONLY) the
 // producer-warp ring kernel of awq_ring_probe.cuh (4 and 8 consumer warps) against the GEMM at
 // M = 1 and 16, over its split counts, with group 128 and per-channel scales;
 // -DQF_AWQ_PROBE_MATH_ONLY builds the GEMM with every strip reading strip 0's weights (from L2),
@@ -676,6 +677,9 @@ int main() {
       gsize = G;
     } else if (std::getenv("PROBE_CHOSEN") != nullptr) {  // only what the op launches, M = 1 to 32
       for (int M : {1, 8, 16, 32}) gemm(M, 0, 0);
+    } else if (std::getenv("PROBE_WARPS") != nullptr) {  // both block sizes, M = 9 to 32
+      for (int M : {16, 32})
+        for (int warps : {4, 8}) gemm(M, warps, 0);
     } else {
       for (int M : {1, 16})
         for (int warps : {4, 8}) gemm(M, warps, 0);

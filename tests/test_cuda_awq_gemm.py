@@ -31,12 +31,17 @@ M_ALL = (1, 2, 3, 7, 8, 15, 16, 17, 31, 32, 64, 100, 256, 1024, 4096)
 LLAMA = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
 
 
-def reference64(x, q, z, s, G, bias=None):
-    """float64 of x @ W with W = (q - z) * s rounded once to the activation dtype (what
-    both the op's reference and the kernels compute), and the per-element error scale."""
+def reference64(x, q, z, s, G, bias=None, exact=False):
+    """float64 of x @ W and the per-element error scale.  W = (q - z) * s rounded once to the
+    activation dtype (the op's reference, the SM90 kernel, dequantize + cuBLAS, and the
+    streaming kernel's scaled path), or unrounded with ``exact`` (the streaming kernel's fold
+    path, which applies zeros and scales to fp32 accumulators: see folds())."""
     zz = z.repeat_interleave(G, dim=0)
     ss = s.repeat_interleave(G, dim=0)
-    w = ((q - zz).to(s.dtype) * ss).to(torch.float64)
+    if exact:
+        w = (q - zz).to(torch.float64) * ss.to(torch.float64)
+    else:
+        w = ((q - zz).to(s.dtype) * ss).to(torch.float64)
     x64 = x.to(torch.float64)
     ref = x64 @ w
     mag = x64.abs() @ w.abs()
@@ -44,6 +49,17 @@ def reference64(x, q, z, s, G, bias=None):
         ref = ref + bias.to(torch.float64)
         mag = mag + bias.to(torch.float64).abs()
     return ref, mag
+
+
+def folds(M, N, warps=0):
+    """Whether the streaming kernel takes its fold path at this shape (the C++ dispatch says)."""
+    return torch.ops.quantfuse._awq_gemm_folds(M, N, torch.cuda.current_device(), warps)
+
+
+def op_exact(M, N):
+    """Whether quantfuse.awq_gemm computes with the unrounded W at this shape: M up to
+    DECODE_MAX_M runs the streaming kernel (N a multiple of 64), and so does its fold path."""
+    return M <= awq_cuda.DECODE_MAX_M and N % 64 == 0 and folds(M, N)
 
 
 def poison(numel, dtype):
@@ -82,7 +98,7 @@ def run_case(M, N, K, group, dtype, seed, bias=False):
     poison(M * N, dtype)
     out = torch.ops.quantfuse.awq_gemm(x, qw, s, qz, G, b)
     torch.cuda.synchronize()
-    ref, mag = reference64(x, q, z, s, G, b)
+    ref, mag = reference64(x, q, z, s, G, b, exact=op_exact(M, N))
     check_close(out, ref, mag, dtype, f"M={M} N={N} K={K} G={G} {dtype} bias={bias}")
 
 
@@ -121,7 +137,7 @@ def test_kernel_block_variants(M, warps):
         poison(M * N, dtype)
         out = torch.ops.quantfuse._awq_gemm_cuda(x, awq_cuda.packed_weight(qw), s, qz, G, b, warps)
         torch.cuda.synchronize()
-        ref, mag = reference64(x, q, z, s, G, b)
+        ref, mag = reference64(x, q, z, s, G, b, exact=folds(M, N, warps))
         check_close(out, ref, mag, dtype, f"warps={warps} M={M} N={N} K={K}")
 
 
@@ -141,8 +157,20 @@ def test_kernel_forced_splits(splits, cluster):
         poison(M * N, dtype)
         out = torch.ops.quantfuse._awq_gemm_cuda(x, awq_cuda.packed_weight(qw), s, qz, G, b, 4, splits, cluster)
         torch.cuda.synchronize()
-        ref, mag = reference64(x, q, z, s, G, b)
+        ref, mag = reference64(x, q, z, s, G, b, exact=folds(M, N, 4))
         check_close(out, ref, mag, dtype, f"splits={splits} cluster={cluster} M={M} N={N} K={K} G={G}")
+
+
+def test_fold_path_by_shape():
+    """The streaming kernel's two paths go where they measured faster on the H100 (csrc:
+    fold_path): the fold path for one token tile and for two in 8-warp blocks, the scaled path
+    for two in 4-warp blocks (N / 64 at least twice the SM count) and for four."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    wide = 64 * 2 * sms  # from here on the strips alone give two blocks per SM: 4-warp blocks
+    assert folds(1, 4096) and folds(8, wide)
+    assert folds(16, 4096) and not folds(16, wide)
+    assert not folds(17, 4096) and not folds(32, wide)
+    assert folds(16, 4096, 8) and not folds(16, 4096, 4)
 
 
 def test_kernel_bad_arguments_raise():
@@ -222,7 +250,7 @@ def test_repack_cached_and_invalidated():
     q2 = torch.randint(0, 16, q.shape, generator=gen, device=DEV, dtype=torch.int32)
     qw.copy_(awq_pack(q2))
     out = torch.ops.quantfuse.awq_gemm(x, qw, s, qz, G)
-    ref, mag = reference64(x, q2, z, s, G)
+    ref, mag = reference64(x, q2, z, s, G, exact=op_exact(2, 256))
     check_close(out, ref, mag, torch.bfloat16, "after in-place update")
     assert awq_cuda.stats["computed"] == before["computed"] + 2
 
@@ -248,7 +276,7 @@ def test_cuda_graph_replay(M):
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        ref, mag = reference64(x, q, z, s, G, b)
+        ref, mag = reference64(x, q, z, s, G, b, exact=op_exact(M, N))
         check_close(out, ref, mag, torch.float16, f"graph replay {i} M={M}")
 
 
@@ -260,7 +288,7 @@ def test_fallback_unsupported_n(caplog):
     with caplog.at_level(logging.DEBUG, logger="compile_backend.kernels"):
         out = torch.ops.quantfuse.awq_gemm(x, qw, s, qz, G)
     assert "not a multiple of 64" in caplog.text
-    ref, mag = reference64(x, q, z, s, G)
+    ref, mag = reference64(x, q, z, s, G)  # the op's reference ran
     check_close(out, ref, mag, torch.float16, "fallback")
 
 
@@ -270,7 +298,7 @@ def test_noncontiguous_x_and_empty():
     xb = make_x(5, 1024, torch.float16, gen)
     x = xb[:, ::2]  # strided view
     out = torch.ops.quantfuse.awq_gemm(x, qw, s, qz, G)
-    ref, mag = reference64(x, q, z, s, G)
+    ref, mag = reference64(x, q, z, s, G, exact=op_exact(5, 128))
     check_close(out, ref, mag, torch.float16, "strided x")
     empty = torch.ops.quantfuse.awq_gemm(xb[:0, :512], qw, s, qz, G)
     assert empty.shape == (0, 128)

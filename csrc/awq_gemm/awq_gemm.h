@@ -16,9 +16,10 @@ enum class DType { kHalf = 0, kBFloat16 = 1 };
 constexpr int kStripN = 64;
 
 // Repacks AWQ qweight [K, N/8] (int32, AWQ nibble order) into the fragment layout read by
-// the GEMM kernel: [N/64][K/16][32 lanes][4 x uint32], where lane l's word j holds the 8
-// nibbles of its mma.m16n8k16 A fragment for rows (columns of N) strip*64 + 16j + l/4 (+8)
-// and k = 16*kt + 4*(l%4) + 0..3 (the kernel permutes K within a k-step; see the .cu file).
+// the GEMM kernel: [N/64][K/16][32 lanes][4 x uint32].  Lane l's words 2p and 2p + 1 hold its
+// mma.m16n8k16 A fragments of tiles 2p (low nibble of each byte) and 2p + 1 (high nibble), for
+// rows (columns of N) strip*64 + 16*tile + l/4 (+8) and k = 16*kt + 4*(l%4) + 0..3 (the kernel
+// permutes K within a k-step; see awq_repack_kernel and awq_dequant.cuh).
 // K % 16 == 0, N % 64 == 0.
 cudaError_t launch_repack(const uint32_t* qweight, uint32_t* out, int K, int N, cudaStream_t stream);
 
@@ -31,6 +32,10 @@ cudaError_t launch_dequantize(DType dtype, const uint32_t* qweight, const void* 
 // Number of K splits the GEMM launch will use for this shape: 1..8.
 // warps: warps per block of the GEMM kernel, 4 or 8; 0 = chosen by M and N.
 int gemm_splits(DType dtype, int M, int N, int K, int device, int warps = 0);
+
+// Whether the GEMM launch for this shape applies zeros and scales to fp32 accumulators once per
+// group (W = (q - z) * s exactly), or makes (q - z) * s in the activation dtype (rounded once).
+bool gemm_folds(int M, int N, int device, int warps = 0);
 
 // Whether a launch with this many splits needs the fp32 workspace (splits > 1 on a GPU
 // without thread block clusters, or with allow_cluster false; with a cluster the splits

@@ -1,12 +1,13 @@
 // quantfuse AWQ W4A16 CUDA kernels (CUDA headers only; no torch).
 //
 // * awq_gemm_kernel (small M): streams the repacked int4 weights once (16-byte evict-first
-//   loads issued in contiguous batches, double-buffered in registers), dequantizes them in
-//   registers (lop3 + magic number, zeros and scales in half2/bfloat162 math) straight into
-//   mma.sync.m16n8k16 A fragments, and accumulates in fp32.  A block owns a 64-row strip of
-//   N; its warps and, when the strips cannot fill the GPU, a cluster of blocks split K
-//   (details at the kernel).  The per-dtype dequantization and MMA are in awq_dequant.cuh, the
-//   strip's reduction buffer and output store in awq_gemm_strip.cuh.
+//   loads issued in contiguous batches, double-buffered in registers), turns the raw nibbles
+//   into mma.sync.m16n8k16 A fragments with masks alone (fp16 subnormals, or bf16 with a
+//   magic-number offset), accumulates in fp32 and applies each group's zeros and scales to
+//   the accumulators once per group.  A block owns a 64-row strip of N; its warps and, when
+//   the strips cannot fill the GPU, a cluster of blocks split K (details at the kernel).  The
+//   per-dtype fragments and MMA are in awq_dequant.cuh, the group fold, the strip's reduction
+//   buffer and output store in awq_gemm_strip.cuh.
 // * awq_dequantize_kernel: the original AWQ layout to a dense [K, N] weight.
 // * awq_repack_kernel: the original AWQ layout to the GEMM's fragment layout.
 
@@ -39,7 +40,7 @@ namespace {
 // warp partials meet in shared memory (atomic adds); K splits across blocks are a thread
 // block cluster on sm_90 (partials summed through distributed shared memory, no workspace,
 // no second kernel), elsewhere an fp32 workspace and splitk_reduce_kernel.
-// Weights are loaded kBatch k-steps at a time (2 for two token tiles in 4-warp blocks, see
+// Weights are loaded kBatch k-steps at a time (2 for several token tiles in 4-warp blocks, see
 // batch_for): each lane issues kBatch 16-byte loads back to back, so the warp asks for
 // kBatch x 512 contiguous bytes at once, double-buffered (the next batch is in flight while
 // this one is used).  On the H100 the same bytes asked for one 512-byte
@@ -55,26 +56,40 @@ __device__ __forceinline__ uint4 load_stream(const uint4* p) { return __ldcs(p);
 
 // Resident warps per SM the register budget must allow: enough 16-byte loads in flight to
 // cover DRAM latency (fewer for more token tiles, whose accumulators need the registers).
-// Two token tiles in 4-warp blocks (chosen when the strips alone give two blocks per SM) load
-// batches of 2 k-steps instead of 4, which fits 128 registers and so 16 warps per SM: on the
-// H100, 28672 x 4096 at M = 16 went from 45.8 to 34.5 us; with 8-warp blocks (fewer strips)
-// the same change measured slower, so those keep batches of 4 at 12 warps per SM.
+// Several token tiles in 4-warp blocks (chosen when the strips alone give two blocks per SM)
+// load batches of 2 k-steps instead of 4, which fits about 128 registers and so 16 warps per
+// SM: on the H100, 28672 x 4096 at M = 16 went from 45.8 to 34.5 us, and at M = 32 from 64.4
+// to 52.2 us (8 warps per SM before, 57.3 us with the previous layout; 116 bytes spilled).  With 8-warp blocks (fewer strips)
+// the same change measured slower, so those keep batches of 4 at 12 (two tiles) or 8 (four)
+// warps per SM.
 // (A variant landing the weights in a per-warp shared-memory ring by cp.async instead of
 // registers measured slower on the H100: more instructions per step; notes_awq.md.)
 #ifndef QF_AWQ_NT1_WARPS  // probe knob: resident warps per SM for one token tile
 #define QF_AWQ_NT1_WARPS 16
 #endif
 __host__ __device__ constexpr int min_warps_per_sm(int nt, int w) {
-  return nt == 1 ? QF_AWQ_NT1_WARPS : (nt == 2 ? (w == 4 ? 16 : 12) : 8);
+  return nt == 1 ? QF_AWQ_NT1_WARPS : (w == 4 ? 16 : (nt == 2 ? 12 : 8));
 }
-__host__ __device__ constexpr int batch_for(int nt, int w) { return nt == 2 && w == 4 ? 2 : kBatch; }
+__host__ __device__ constexpr int batch_for(int nt, int w) { return nt > 1 && w == 4 ? 2 : kBatch; }
+
+// Two ways to apply a group's zeros and scales (awq_dequant.cuh), chosen by the block's shape:
+// * fold: raw values into the MMA, zeros and scales once per group on fp32 accumulators, the
+//   activations loaded a batch ahead with the weights.  ~38 instructions per k-step, but per-warp
+//   totals and the activations ahead need registers: one token tile, or two in 8-warp blocks.
+// * scaled: (q - z) * s made in half2/bfloat162 math in the fragments, activations loaded in
+//   their k-step.  ~92 instructions per k-step; fits two token tiles in 4-warp blocks at 16 warps
+//   per SM, and four.
+// On the H100 (notes_awq.md, session 8) the fold math was 7-11% faster for one token tile on the
+// four Llama shapes and 3-7% for two in 8-warp blocks, and 15-25% slower where the other two
+// configurations run (28672 x 4096 at 9 <= M <= 32).
+__host__ __device__ constexpr bool fold_path(int nt, int w) { return nt == 1 || (nt == 2 && w == 8); }
 
 template <typename T, int NT, int W, bool CLUSTER>
 __global__ void __launch_bounds__(W * 32, min_warps_per_sm(NT, W) / W) awq_gemm_kernel(
     const T* __restrict__ x, const uint4* __restrict__ wp, const T* __restrict__ scales,
     const uint32_t* __restrict__ qzeros, const T* __restrict__ bias, T* __restrict__ out,
     float* __restrict__ partial, int M, int N, int K, int group_size) {
-  using Row = typename Dq<T>::Row;
+  constexpr bool kFold = fold_path(NT, W);
   __shared__ __align__(16) float red[red_floats(NT)];
 
   const int splits = gridDim.x;
@@ -93,8 +108,13 @@ __global__ void __launch_bounds__(W * 32, min_warps_per_sm(NT, W) / W) awq_gemm_
 
   for (int i = threadIdx.x; i < red_floats(NT); i += W * 32) red[i] = 0.0f;
 
-  float acc[kTiles][NT][4];
+  // tot: the warp's sums.  fold: acc and sx hold the current group's, added into tot at its end
+  // (unused, and compiled away, on the scaled path, whose MMAs accumulate into tot).
+  float tot[kTiles][NT][4], acc[kTiles][NT][4];
+  zero_acc<NT>(tot);
   zero_acc<NT>(acc);
+  TokenSums<T, NT> sx;
+  sx.zero();
   const T* xrow[NT];
   activation_rows<T, NT>(x, M, K, m0, lane, xrow);
 #ifdef QF_AWQ_PROBE_MATH_ONLY  // probe knob: every strip reads strip 0's weights (L2-resident)
@@ -105,69 +125,92 @@ __global__ void __launch_bounds__(W * 32, min_warps_per_sm(NT, W) / W) awq_gemm_
   const int gsteps = group_size >> 4;
   const int groups = K / group_size;
   const StripGroups<T> meta(scales, qzeros, N, strip, lane);
-  Row rows[kTiles][2];
 
-  // Weights first: theirs is the latency that matters.
+  // A batch: kB k-steps of the lane's weights, and (fold) of its activations, asked for together
+  // one batch ahead so that no k-step waits on a load issued in it.  Weights first: theirs is the
+  // latency that matters.
   constexpr int kB = batch_for(NT, W);  // k-steps per batch
-  uint4 buf[2][kB];
+  struct Batch {
+    uint4 w[kB];
+    uint2 x[kFold ? kB : 1][NT];
+  };
+  auto load_x = [&](int k, int nt) {
+    return xrow[nt] != nullptr ? __ldg(reinterpret_cast<const uint2*>(xrow[nt] + (k << 4))) : make_uint2(0u, 0u);
+  };
+  auto load_batch = [&](Batch& bt, int k0) {
 #pragma unroll
-  for (int u = 0; u < kB; ++u)
-    if (wb + u < we) buf[0][u] = load_stream(wl + (size_t)(wb + u) * 32);
+    for (int u = 0; u < kB; ++u)
+      if (k0 + u < we) bt.w[u] = load_stream(wl + (size_t)(k0 + u) * 32);
+    if constexpr (kFold) {
+#pragma unroll
+      for (int u = 0; u < kB; ++u)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) bt.x[u][nt] = k0 + u < we ? load_x(k0 + u, nt) : make_uint2(0u, 0u);
+    }
+  };
+  Batch bat[2];
+  load_batch(bat[0], wb);
   int grp = wb / gsteps;
   int pos = wb - grp * gsteps;  // steps of the current group already behind us
-  GroupRaw next;
+  // Scales and zeros are asked for a group ahead.  fold: the current group's are used when it
+  // ends; scaled: its rows' dequantization constants are made when it starts.
+  GroupRaw cur, next;
+  typename Dq<T>::Row rows[kFold ? 1 : kTiles][2];
   if (wb < we) {
-    GroupRaw first;
-    meta.load(grp, first);
+    meta.load(grp, cur);
     if (grp + 1 < groups) meta.load(grp + 1, next);
-    meta.rows(first, rows);
+    if constexpr (!kFold) meta.rows(cur, lane, rows);
   }
 
-  auto step = [&](const uint4& w, int kt) {
+  auto step = [&](const Batch& bt, int u, int k) {
     if (pos == gsteps) {
+      if constexpr (kFold) {
+        fold_group<T, NT>(meta.fold_constants(cur, lane), acc, sx, tot, lane);
+        cur = next;
+      } else {
+        meta.rows(next, lane, rows);
+      }
       pos = 0;
       ++grp;
-      meta.rows(next, rows);
       if (grp + 1 < groups) meta.load(grp + 1, next);
     }
     ++pos;
     uint32_t b[NT][2];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-      uint2 v = make_uint2(0u, 0u);
-      if (xrow[nt] != nullptr) v = __ldg(reinterpret_cast<const uint2*>(xrow[nt] + (kt << 4)));
+      const uint2 v = kFold ? bt.x[kFold ? u : 0][nt] : load_x(k, nt);
       b[nt][0] = v.x;
       b[nt][1] = v.y;
     }
-    mma_kstep<T, NT>(w, rows, b, acc);
+    if constexpr (kFold)
+      mma_kstep<T, NT>(bt.w[u], b, acc, sx);
+    else
+      mma_kstep_scaled<T, NT>(bt.w[u], rows, b, tot);
   };
 
-  // buf[0] holds the batch at kt; each half-iteration asks for the batch after the one it uses.
+  // bat[0] holds the batch at kt; each half-iteration asks for the batch after the one it uses.
   int kt = wb;
   for (; kt + 2 * kB <= we; kt += 2 * kB) {
+    load_batch(bat[1], kt + kB);
 #pragma unroll
-    for (int u = 0; u < kB; ++u) buf[1][u] = load_stream(wl + (size_t)(kt + kB + u) * 32);
+    for (int u = 0; u < kB; ++u) step(bat[0], u, kt + u);
+    load_batch(bat[0], kt + 2 * kB);
 #pragma unroll
-    for (int u = 0; u < kB; ++u) step(buf[0][u], kt + u);
-#pragma unroll
-    for (int u = 0; u < kB; ++u)
-      if (kt + 2 * kB + u < we) buf[0][u] = load_stream(wl + (size_t)(kt + 2 * kB + u) * 32);
-#pragma unroll
-    for (int u = 0; u < kB; ++u) step(buf[1][u], kt + kB + u);
+    for (int u = 0; u < kB; ++u) step(bat[1], u, kt + kB + u);
   }
   // fewer than 2 * kB steps left
+  load_batch(bat[1], kt + kB);
 #pragma unroll
   for (int u = 0; u < kB; ++u)
-    if (kt + kB + u < we) buf[1][u] = load_stream(wl + (size_t)(kt + kB + u) * 32);
+    if (kt + u < we) step(bat[0], u, kt + u);
 #pragma unroll
   for (int u = 0; u < kB; ++u)
-    if (kt + u < we) step(buf[0][u], kt + u);
-#pragma unroll
-  for (int u = 0; u < kB; ++u)
-    if (kt + kB + u < we) step(buf[1][u], kt + kB + u);
+    if (kt + kB + u < we) step(bat[1], u, kt + kB + u);
 
+  if constexpr (kFold)
+    if (wb < we) fold_group<T, NT>(meta.fold_constants(cur, lane), acc, sx, tot, lane);
   __syncthreads();  // red zeroed by every thread
-  add_to_red<NT>(red, acc, lane);
+  add_to_red<NT>(red, tot, lane);
   __syncthreads();
   store_strip<T, CLUSTER, W * 32>(red, bias, out, partial, M, N, m0, min(8 * NT, M - m0));
 }
@@ -223,9 +266,10 @@ __global__ void awq_dequantize_kernel(const uint32_t* __restrict__ qweight, cons
 
 // ----------------------------------------------------------------------------- repack
 
-// Word j of lane (g, t) at k-step kt of a strip is the A fragment of the strip's tile j:
-// nibble i holds W[k][n] with n = strip*64 + 16j + g + 8*((i >> 1) & 1) and
-// k = 16*kt + 4t + (i >> 2) + 2*(i & 1) (see Dq::frag and the K permutation above).
+// Word j of lane (g, t) at k-step kt of a strip: nibble i holds W[k][n] of tile
+// 2*(j >> 1) + (i & 1) (low nibbles of each byte in the even tile, high ones in the odd), with
+// n = strip*64 + 16*tile + g + 8*((i >> 1) & 1) and k = 16*kt + 4t + (i >> 2) + 2*(j & 1)
+// (see Dq::frags in awq_dequant.cuh and the K permutation above).
 __global__ void awq_repack_kernel(const uint32_t* __restrict__ qweight, uint32_t* __restrict__ out, int K, int N) {
   const int KT = K >> 4;
   const int n8 = N >> 3;
@@ -238,8 +282,8 @@ __global__ void awq_repack_kernel(const uint32_t* __restrict__ qweight, uint32_t
     uint32_t word = 0;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      const int k = kt * 16 + 4 * (lane & 3) + (i >> 2) + 2 * (i & 1);
-      const int n = strip * kStripN + j * 16 + (lane >> 2) + 8 * ((i >> 1) & 1);
+      const int k = kt * 16 + 4 * (lane & 3) + (i >> 2) + 2 * (j & 1);
+      const int n = strip * kStripN + (2 * (j >> 1) + (i & 1)) * 16 + (lane >> 2) + 8 * ((i >> 1) & 1);
       const uint32_t src = __ldg(qweight + (size_t)k * n8 + (n >> 3));
       const uint32_t q = (src >> (4 * awq_order(n & 7))) & 0xFu;
       word |= q << (4 * i);
@@ -397,6 +441,8 @@ int gemm_splits(DType dtype, int M, int N, int K, int device, int warps) {
   return dtype == DType::kHalf ? splits_for<__half>(M, N, K, device, warps)
                                : splits_for<__nv_bfloat16>(M, N, K, device, warps);
 }
+
+bool gemm_folds(int M, int N, int device, int warps) { return fold_path(nt_for(M), warps_for(warps, M, N, device)); }
 
 bool gemm_needs_workspace(int splits, int device, bool allow_cluster) {
   return splits > 1 && !(allow_cluster && cluster_launch(device));

@@ -145,6 +145,10 @@ int64_t awq_gemm_splits(int64_t M, int64_t N, int64_t K, bool bf16, int64_t devi
                                      (int)warps);
 }
 
+bool awq_gemm_folds(int64_t M, int64_t N, int64_t device, int64_t warps) {
+  return quantfuse::awq::gemm_folds((int)M, (int)N, (int)device, (int)warps);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(quantfuse, m) {
@@ -153,6 +157,7 @@ TORCH_LIBRARY_FRAGMENT(quantfuse, m) {
   m.def("_awq_gemm_cuda(Tensor x, Tensor wpacked, Tensor scales, Tensor qzeros, int group_size, "
         "Tensor? bias=None, int warps=0, int splits=0, bool cluster=True) -> Tensor");
   m.def("_awq_gemm_splits(int M, int N, int K, bool bf16, int device, int warps=0) -> int", &awq_gemm_splits);
+  m.def("_awq_gemm_folds(int M, int N, int device, int warps=0) -> bool", &awq_gemm_folds);
 }
 
 TORCH_LIBRARY_IMPL(quantfuse, CUDA, m) {

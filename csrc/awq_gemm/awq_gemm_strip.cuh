@@ -1,7 +1,7 @@
 // quantfuse AWQ W4A16 decode kernels: what every kernel that owns one 64-row strip of N shares
-// (the MMA tiling of a strip, its group scales and zeros, the block's reduction buffer, and the
-// store of the strip's outputs, with the K splits summed over a thread-block cluster or through a
-// workspace).
+// (the MMA tiling of a strip, its group scales and zeros and their fold into the totals, the
+// block's reduction buffer, and the store of the strip's outputs, with the K splits summed over
+// a thread-block cluster or through a workspace).
 #pragma once
 
 #include <cooperative_groups.h>
@@ -18,48 +18,83 @@ constexpr int kRedStride = kStripN + 4;  // floats per token row of the reductio
                                          // 2 * 68 = 8 (mod 32 banks) keeps the adds conflict-free
 constexpr int kMaxCluster = 8;           // portable cluster size
 
-// One quantization group's scales and zeros for a lane's 8 rows (rows g and g + 8 of the strip's
-// four 16-row tiles), raw, so that the next group's can be in flight while this one is used.
+// One quantization group's scales and zeros for the two rows a lane loads: rows 16t + g and
+// 16t + g + 8 of the strip (tile t, rows g and g + 8), raw, so that the next group's can be in
+// flight while this one is used.  The four lanes of one g hold the four tiles between them.
 struct GroupRaw {
-  uint4 z[2];             // the strip's 8 packed zero words (AWQ nibble order)
-  uint32_t s[kTiles][2];  // scale bits of rows 16j + g and 16j + g + 8
+  uint32_t s[2];  // scale bits
+  uint2 z;        // the two packed zero words holding those rows (AWQ nibble order)
 };
 
-// Where a lane's group scales and zeros are, and the per-row dequantization constants made from
-// them (Dq<T>::Row).
+// What folds one group's accumulators into the lane's totals, per row g + 8h of tile j.
+struct GroupFold {
+  float S[kTiles][2], Z[kTiles][2];
+};
+
+// Where a lane's group scales and zeros are, and the fold constants made from them.
 template <typename T>
 struct StripGroups {
-  const uint16_t* s_lane;  // scale of row g of the strip, group 0
-  const uint4* z_strip;    // the strip's zero words, group 0
+  const uint16_t* s_lane;  // scale of row 16t + g of the strip, group 0
+  const uint2* z_lane;     // packed zero words 2t, 2t + 1 of the strip, group 0
   int N;
   int zshift;              // the lane's nibble in a packed zero word: awq_order(g)
+  float inv_unit;          // of the lane's tile t
 
   __device__ __forceinline__ StripGroups(const T* scales, const uint32_t* qzeros, int n, int strip, int lane)
-      : s_lane(reinterpret_cast<const uint16_t*>(scales) + strip * kStripN + (lane >> 2)),
-        z_strip(reinterpret_cast<const uint4*>(qzeros + strip * (kStripN / 8))),
+      : s_lane(reinterpret_cast<const uint16_t*>(scales) + strip * kStripN + 16 * (lane & 3) + (lane >> 2)),
+        z_lane(reinterpret_cast<const uint2*>(qzeros + strip * (kStripN / 8)) + (lane & 3)),
         N(n),
-        zshift(4 * awq_order(lane >> 2)) {}
+        zshift(4 * awq_order(lane >> 2)),
+        inv_unit(Dq<T>::inv_unit(lane & 3)) {}
 
   __device__ __forceinline__ void load(int grp, GroupRaw& r) const {
-    const uint4* zp = z_strip + (size_t)grp * (N >> 5);
-    r.z[0] = __ldg(zp);
-    r.z[1] = __ldg(zp + 1);
     const uint16_t* sp = s_lane + (size_t)grp * N;
+    r.s[0] = __ldg(sp);
+    r.s[1] = __ldg(sp + 8);
+    r.z = __ldg(z_lane + (size_t)grp * (N >> 4));
+  }
+
+  // The scaled path's dequantization constants of the group for the lane's rows (rows[j][h]: row
+  // 16j + g + 8h); made like fold_constants.  All 32 lanes must call it.
+  __device__ __forceinline__ void rows(const GroupRaw& r, int lane, typename Dq<T>::Row (&out)[kTiles][2]) const {
+    using Row = typename Dq<T>::Row;
+    constexpr int kWords = sizeof(Row) / sizeof(uint32_t);
+    const uint32_t zw[2] = {r.z.x, r.z.y};
 #pragma unroll
-    for (int j = 0; j < kTiles; ++j) {
-      r.s[j][0] = __ldg(sp + 16 * j);
-      r.s[j][1] = __ldg(sp + 16 * j + 8);
+    for (int h = 0; h < 2; ++h) {
+      const Row own = Dq<T>::make(r.s[h], (zw[h] >> zshift) & 0xFu);
+      const uint32_t* ow = reinterpret_cast<const uint32_t*>(&own);
+#pragma unroll
+      for (int j = 0; j < kTiles; ++j) {
+        uint32_t* dst = reinterpret_cast<uint32_t*>(&out[j][h]);
+#pragma unroll
+        for (int i = 0; i < kWords; ++i) dst[i] = __shfl_sync(0xffffffffu, ow[i], (lane & ~3) | j);
+      }
     }
   }
 
-  __device__ __forceinline__ void rows(const GroupRaw& r, typename Dq<T>::Row (&out)[kTiles][2]) const {
-    const uint32_t zw[8] = {r.z[0].x, r.z[0].y, r.z[0].z, r.z[0].w, r.z[1].x, r.z[1].y, r.z[1].z, r.z[1].w};
+  // The group's fold constants for the lane's rows (see awq_dequant.cuh): S = s * inv_unit(tile),
+  // Z = -s * (z + kOffset); each lane makes its own two rows' and takes the other tiles' from
+  // the lanes of its g.  All 32 lanes must call it.
+  __device__ __forceinline__ GroupFold fold_constants(const GroupRaw& r, int lane) const {
+    float S[2], Z[2];
+    const uint32_t zw[2] = {r.z.x, r.z.y};
 #pragma unroll
-    for (int j = 0; j < kTiles; ++j) {
-      // row 16j + g + 8h of the strip: packed word 2j + h, nibble awq_order(g)
-      out[j][0] = Dq<T>::make(r.s[j][0], (zw[2 * j] >> zshift) & 0xFu);
-      out[j][1] = Dq<T>::make(r.s[j][1], (zw[2 * j + 1] >> zshift) & 0xFu);
+    for (int h = 0; h < 2; ++h) {
+      const float s = Dq<T>::bits_to_float(r.s[h]);
+      const float z = static_cast<float>((zw[h] >> zshift) & 0xFu);
+      S[h] = s * inv_unit;
+      Z[h] = -s * (z + Dq<T>::kOffset);
     }
+    GroupFold f;
+#pragma unroll
+    for (int j = 0; j < kTiles; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        f.S[j][h] = __shfl_sync(0xffffffffu, S[h], (lane & ~3) | j);
+        f.Z[j][h] = __shfl_sync(0xffffffffu, Z[h], (lane & ~3) | j);
+      }
+    return f;
   }
 };
 
@@ -73,6 +108,36 @@ __device__ __forceinline__ void zero_acc(float (&acc)[kTiles][NT][4]) {
       for (int i = 0; i < 4; ++i) acc[j][nt][i] = 0.0f;
 }
 
+// Each token's activations summed over the current group (for the zeros): the D fragments of MMAs
+// with the activations as the A operand (token tiles 2p and 2p + 1 as rows 0-7 and 8-15) and an
+// all-ones B, so c[p][0] = c[p][1] is token 16p + g's sum and c[p][2] = c[p][3] token 16p + g + 8's.
+template <typename T, int NT>
+struct TokenSums {
+  static constexpr int kPairs = (NT + 1) / 2;
+  float c[kPairs][4];
+
+  __device__ __forceinline__ void zero() {
+#pragma unroll
+    for (int p = 0; p < kPairs; ++p)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) c[p][i] = 0.0f;
+  }
+  __device__ __forceinline__ void add(const uint32_t (&b)[NT][2]) {
+    const uint32_t ones[2] = {Dq<T>::kOne2, Dq<T>::kOne2};
+#pragma unroll
+    for (int p = 0; p < kPairs; ++p) {
+      const bool two = 2 * p + 1 < NT;
+      const uint32_t a[4] = {b[2 * p][0], two ? b[2 * p + 1][0] : 0u, b[2 * p][1], two ? b[2 * p + 1][1] : 0u};
+      Dq<T>::mma(c[p], a, ones);
+    }
+  }
+  // The sum of token 8nt + 2t + h of lane (g, t) (its C-fragment columns): held by the lanes of
+  // g' = 2t + h.  All 32 lanes must call it.
+  __device__ __forceinline__ float of(int nt, int h, int lane) const {
+    return __shfl_sync(0xffffffffu, c[nt >> 1][2 * (nt & 1)], 4 * (2 * (lane & 3) + h));
+  }
+};
+
 // The lane's activations in each token tile: row m0 + 8nt + g (B-fragment column g), from k-slot
 // 4t of every k-step (the K permutation of the kernels); null past the M rows.
 template <typename T, int NT>
@@ -84,28 +149,62 @@ __device__ __forceinline__ void activation_rows(const T* x, int M, int K, int m0
   }
 }
 
-// One k-step of a strip: the lane's 16 weight bytes dequantized into the A fragments of the four
-// 16-row tiles, each multiplied with every token tile's B fragment.
+// One k-step of a strip: the lane's 16 weight bytes as the A fragments of the four 16-row tiles,
+// each multiplied with every token tile's B fragment, and the activations' sums for the zeros.
 template <typename T, int NT>
-__device__ __forceinline__ void mma_kstep(const uint4& w, const typename Dq<T>::Row (&rows)[kTiles][2],
-                                          const uint32_t (&b)[NT][2], float (&acc)[kTiles][NT][4]) {
-  const uint32_t words[kTiles] = {w.x, w.y, w.z, w.w};
+__device__ __forceinline__ void mma_kstep(const uint4& w, const uint32_t (&b)[NT][2], float (&acc)[kTiles][NT][4],
+                                          TokenSums<T, NT>& sx) {
+  uint32_t a[kTiles][4];
+  Dq<T>::frags(w, a);
 #pragma unroll
-  for (int j = 0; j < kTiles; ++j) {
-    uint32_t a[4];
-    Dq<T>::frag(words[j], rows[j][0], rows[j][1], a);
+  for (int j = 0; j < kTiles; ++j)
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) Dq<T>::mma(acc[j][nt], a, b[nt]);
-  }
+    for (int nt = 0; nt < NT; ++nt) Dq<T>::mma(acc[j][nt], a[j], b[nt]);
+  sx.add(b);
+}
+
+// The scaled path's k-step: the same fragments dequantized (zeros and scales applied), into acc.
+template <typename T, int NT>
+__device__ __forceinline__ void mma_kstep_scaled(const uint4& w, const typename Dq<T>::Row (&rows)[kTiles][2],
+                                                 const uint32_t (&b)[NT][2], float (&acc)[kTiles][NT][4]) {
+  uint32_t a[kTiles][4];
+  Dq<T>::frags_scaled(w, rows, a);
+#pragma unroll
+  for (int j = 0; j < kTiles; ++j)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) Dq<T>::mma(acc[j][nt], a[j], b[nt]);
 }
 
 // Floats of a block's reduction buffer for NT token tiles of 8.
 __host__ __device__ constexpr int red_floats(int nt) { return 8 * nt * kRedStride; }
 
-// Adds a warp's accumulators into the block's reduction buffer.  C fragment: [0], [1] = row
-// 16j + g, tokens 8nt + 2t (+1); [2], [3] = row 16j + g + 8.
+// Ends a group (or any part of one): tot += S * acc + Z * sx, and clears acc and sx for the
+// next.  C fragment: [0], [1] = row 16j + g, tokens 8nt + 2t (+1); [2], [3] = row 16j + g + 8.
+// All 32 lanes must call it.
+template <typename T, int NT>
+__device__ __forceinline__ void fold_group(const GroupFold& f, float (&acc)[kTiles][NT][4], TokenSums<T, NT>& sx,
+                                           float (&tot)[kTiles][NT][4], int lane) {
+  float xs[NT][2];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) xs[nt][h] = sx.of(nt, h, lane);
+#pragma unroll
+  for (int j = 0; j < kTiles; ++j)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        tot[j][nt][i] = fmaf(f.S[j][i >> 1], acc[j][nt][i], fmaf(f.Z[j][i >> 1], xs[nt][i & 1], tot[j][nt][i]));
+        acc[j][nt][i] = 0.0f;
+      }
+  sx.zero();
+}
+
+// Adds a warp's totals into the block's reduction buffer red[token][row] (same C-fragment
+// layout).
 template <int NT>
-__device__ __forceinline__ void add_to_red(float* red, const float (&acc)[kTiles][NT][4], int lane) {
+__device__ __forceinline__ void add_to_red(float* red, const float (&tot)[kTiles][NT][4], int lane) {
   const int g = lane >> 2;
   const int t = lane & 3;
 #pragma unroll
@@ -116,7 +215,7 @@ __device__ __forceinline__ void add_to_red(float* red, const float (&acc)[kTiles
       for (int i = 0; i < 4; ++i) {
         const int token = nt * 8 + 2 * t + (i & 1);
         const int row = 16 * j + g + 8 * (i >> 1);
-        atomicAdd(&red[token * kRedStride + row], acc[j][nt][i]);
+        atomicAdd(&red[token * kRedStride + row], tot[j][nt][i]);
       }
 }
 
