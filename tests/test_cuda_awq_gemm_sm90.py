@@ -48,6 +48,7 @@ def check(out, x, q, z, s, G, bias, what):
     u = 2.0**-11 if dtype == torch.float16 else 2.0**-8
     K = x.shape[1]
     assert out.shape == (x.shape[0], q.shape[1]) and out.dtype == dtype, what
+    assert out.is_contiguous(), what
     o = out.to(torch.float64)
     assert torch.isfinite(o).all(), f"{what}: NaN/inf in the output"
     zz = z.repeat_interleave(G, dim=0).to(torch.float64)
@@ -123,6 +124,27 @@ def test_each_config(config, dtype):
 
 
 @needs_sm90
+def test_token_padding_rule():
+    """x is zero-padded to whole token tiles when at least 45% of the last one would be
+    past its end (awq_gemm_sm90.h: padded_tokens), and only then."""
+    rows = torch.ops.quantfuse._awq_sm90_rows
+    assert [rows(m, 1) for m in (1, 33, 70, 71, 100, 128, 129, 200)] == [128, 128, 128, 71, 100, 128, 256, 200]
+    assert [rows(m, c) for m, c in ((129, 3), (140, 3), (141, 2), (300, 2), (1000, 3), (1024, 3))] == [
+        256, 256, 141, 512, 1000, 1024]
+    assert rows(0, 0) == 0
+
+
+@needs_sm90
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_padded_calls(dtype):
+    """Calls that run on a padded copy of x (one token tile mostly empty) give the first M
+    rows, contiguous, with the same bound as every other call; auto and forced configs."""
+    for i, M in enumerate((1, 33, 129, 300)):
+        run_case(M, 640, 1024, 128, dtype, seed=70 + i, bias=(i % 2 == 0))
+        run_case(M, 256, 512, -1, dtype, seed=80 + i, config=i % 4)
+
+
+@needs_sm90
 def test_prepare_cache_hit_and_invalidation():
     gen = torch.Generator(device=DEV).manual_seed(5)
     qw, s, qz, G, q, z = make_awq(512, 256, 128, torch.bfloat16, gen)
@@ -147,7 +169,7 @@ def test_prepare_cache_hit_and_invalidation():
 
 
 @needs_sm90
-@pytest.mark.parametrize("M", (100, 512))
+@pytest.mark.parametrize("M", (33, 100, 512))  # 33: padded x (the pad is captured too)
 def test_cuda_graph_replay(M):
     gen = torch.Generator(device=DEV).manual_seed(11 + M)
     N, K = 1024, 2048

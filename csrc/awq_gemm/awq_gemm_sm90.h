@@ -60,6 +60,22 @@ enum Status : int { kOk = 0, kUnsupported = 1, kCannotImplement = 2, kInitFailed
 // Tile configurations 0..3 (see awq_gemm_sm90.cuh); the one that runs by default.
 int choose_config(int64_t M, int64_t N, int64_t K, int group_size, int sm_count);
 
+// Tokens per tile of a configuration (the kernel's N tile): 128 for 0 and 1, 256 for 2 and 3.
+constexpr int64_t token_tile(int config) { return config >= 2 ? 256 : 128; }
+
+// The token count to run a call of M tokens at.  A token tile that reaches past the last row
+// of x is filled by TMA's out-of-bounds zero fill, and on the H100 such tiles cost far more
+// than full ones: 28672 x 4096 took 113 us at M = 33 and 65 at M = 128 (config 1), and
+// 351 us at M = 300 against 162 with x padded to 512 rows (config 2).  So when at least 45%
+// of the last tile would be past the end, the op copies x into a zero-padded buffer of whole
+// tiles and returns the first M rows of the result.  Below that fraction the copy measured
+// slower than the zero fill (M = 200 and 1000; benchmarks/notes_awq.md, session 9).
+constexpr int64_t padded_tokens(int64_t M, int config) {
+  const int64_t tile = token_tile(config);
+  const int64_t whole = (M + tile - 1) / tile * tile;
+  return (whole - M) * 100 >= tile * 45 ? whole : M;
+}
+
 int gemm_f16(const GemmParams& p);
 int gemm_bf16(const GemmParams& p);
 

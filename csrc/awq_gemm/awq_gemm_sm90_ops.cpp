@@ -17,6 +17,7 @@
 
 #include "awq_gemm/awq_gemm_sm90.h"
 #include "common/check.h"
+#include "common/sm_count.h"
 
 namespace {
 
@@ -123,34 +124,47 @@ at::Tensor awq_gemm_sm90_cuda(const at::Tensor& x, const at::Tensor& wq, const a
               "quantfuse awq_sm90: sizes too large for 32-bit indexing");
   QF_CHECK(config >= -1 && config <= 3, "quantfuse awq_sm90: config must be -1 (auto) or 0..3");
   const c10::cuda::CUDAGuard guard(x.device());
-  at::Tensor out = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return out;
+  if (M == 0 || N == 0) return at::empty({M, N}, x.options());
+  // The configuration is fixed before padding, so a padded call runs the tiles M would.
+  const int cfg = config >= 0 ? static_cast<int>(config)
+                              : qa::choose_config(M, N, K, static_cast<int>(group_size),
+                                                  quantfuse::sm_count(x.get_device(), 0));
+  int64_t rows = qa::padded_tokens(M, cfg);
+  if (rows * K >= (int64_t(1) << 31) || rows * N >= (int64_t(1) << 31)) rows = M;  // 32-bit indexing
+  const at::Tensor xk = rows == M ? x : at::constant_pad_nd(x, {0, 0, 0, rows - M});
+  at::Tensor out = at::empty({rows, N}, x.options());
   at::Tensor workspace;
   qa::GemmParams p;
-  p.x = x.data_ptr();
+  p.x = xk.data_ptr();
   p.wq = wq.data_ptr();
   p.scales = scales.data_ptr();
   p.zeros = zeros.data_ptr();
   p.bias = bias_ptr;
   p.out = out.data_ptr();
-  p.M = M;
+  p.M = rows;
   p.N = N;
   p.K = K;
   p.group_size = static_cast<int>(group_size);
-  p.config = static_cast<int>(config);
+  p.config = cfg;
   p.device = x.get_device();
   p.stream = at::cuda::getCurrentCUDAStream().stream();
   p.alloc = &alloc_workspace;
   p.alloc_ctx = &workspace;
   const int status = dt == qa::DType::kHalf ? qa::gemm_f16(p) : qa::gemm_bf16(p);
   QF_CHECK(status == qa::kOk, "quantfuse awq_sm90: GEMM failed (status %d, config %lld, M=%lld, N=%lld, K=%lld, group_size=%lld)",
-           (int)status, (long long)config, (long long)M, (long long)N, (long long)K, (long long)group_size);
-  return out;
+           (int)status, (long long)cfg, (long long)M, (long long)N, (long long)K, (long long)group_size);
+  return rows == M ? out : out.narrow(0, 0, M);
 }
 
 // The config the kernel picks by default (benchmarks); sm_count 0: an H100's 132.
 int64_t awq_sm90_config(int64_t M, int64_t N, int64_t K, int64_t group_size, int64_t sm_count) {
   return quantfuse::awq_sm90::choose_config(M, N, K, (int)group_size, (int)sm_count);
+}
+
+// The token count a call of M tokens runs at under a configuration (x zero-padded above M).
+int64_t awq_sm90_rows(int64_t M, int64_t config) {
+  QF_CHECK(M >= 0 && config >= 0 && config <= 3, "quantfuse awq_sm90: need M >= 0 and config in 0..3");
+  return quantfuse::awq_sm90::padded_tokens(M, (int)config);
 }
 
 }  // namespace
@@ -161,6 +175,7 @@ TORCH_LIBRARY_FRAGMENT(quantfuse, m) {
   m.def("_awq_gemm_sm90_cuda(Tensor x, Tensor wq, Tensor scales, Tensor zeros, int group_size, Tensor? bias=None, "
         "int config=-1) -> Tensor");
   m.def("_awq_sm90_config(int M, int N, int K, int group_size, int sm_count=0) -> int", &awq_sm90_config);
+  m.def("_awq_sm90_rows(int M, int config) -> int", &awq_sm90_rows);
 }
 
 TORCH_LIBRARY_IMPL(quantfuse, CUDA, m) {
