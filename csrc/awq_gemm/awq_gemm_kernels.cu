@@ -1,10 +1,11 @@
 // quantfuse AWQ W4A16 CUDA kernels (CUDA headers only; no torch).
 //
 // * awq_gemm_kernel (small M): streams the repacked int4 weights once (16-byte evict-first
-//   loads issued in contiguous batches, double-buffered in registers), turns the raw nibbles
-//   into mma.sync.m16n8k16 A fragments with masks alone (fp16 subnormals, or bf16 with a
-//   magic-number offset), accumulates in fp32 and applies each group's zeros and scales to
-//   the accumulators once per group.  A block owns a 64-row strip of N; its warps and, when
+//   loads issued in contiguous batches, double-buffered in registers) and makes them
+//   mma.sync.m16n8k16 A fragments in registers, accumulating in fp32.  Two paths (fold_path):
+//   raw nibbles by masks alone (fp16 subnormals, or bf16 with a magic-number offset) with each
+//   group's zeros and scales applied to the accumulators once per group, or (q - z) * s made
+//   in the fragments, for the block shapes whose registers the first does not fit.  A block owns a 64-row strip of N; its warps and, when
 //   the strips cannot fill the GPU, a cluster of blocks split K (details at the kernel).  The
 //   per-dtype fragments and MMA are in awq_dequant.cuh, the group fold, the strip's reduction
 //   buffer and output store in awq_gemm_strip.cuh.
