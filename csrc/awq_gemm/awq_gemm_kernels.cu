@@ -7,8 +7,9 @@
 //   group's zeros and scales applied to the accumulators once per group, or (q - z) * s made
 //   in the fragments, for the block shapes whose registers the first does not fit.  A block
 //   owns a 64-row strip of N; its warps and, when the strips cannot fill the GPU, a cluster
-//   of blocks split K (details at the kernel).  The per-dtype fragments and MMA are in awq_dequant.cuh, the group fold, the strip's reduction
-//   buffer and output store in awq_gemm_strip.cuh.
+//   of blocks split K (details at the kernel).  The per-dtype fragments and MMA are in
+//   awq_dequant.cuh, the group fold, the strip's reduction buffer and output store in
+//   awq_gemm_strip.cuh.
 // * awq_dequantize_kernel: the original AWQ layout to a dense [K, N] weight.
 // * awq_repack_kernel: the original AWQ layout to the GEMM's fragment layout.
 
