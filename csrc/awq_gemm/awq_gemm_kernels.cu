@@ -61,9 +61,9 @@ __device__ __forceinline__ uint4 load_stream(const uint4* p) { return __ldcs(p);
 // Several token tiles in 4-warp blocks (chosen when the strips alone give two blocks per SM)
 // load batches of 2 k-steps instead of 4, which fits about 128 registers and so 16 warps per
 // SM: on the H100, 28672 x 4096 at M = 16 went from 45.8 to 34.5 us, and at M = 32 from 64.4
-// to 52.2 us (8 warps per SM before, 57.3 us with the previous layout; 116 bytes spilled).  With 8-warp blocks (fewer strips)
-// the same change measured slower, so those keep batches of 4 at 12 (two tiles) or 8 (four)
-// warps per SM.
+// to 52.2 us (8 warps per SM before, 57.3 us with the previous layout; 116 bytes spilled).
+// With 8-warp blocks (fewer strips) the same change measured slower, so those keep batches
+// of 4 at 12 (two tiles) or 8 (four) warps per SM.
 // (A variant landing the weights in a per-warp shared-memory ring by cp.async instead of
 // registers measured slower on the H100: more instructions per step; notes_awq.md.)
 #ifndef QF_AWQ_NT1_WARPS  // probe knob: resident warps per SM for one token tile
