@@ -133,7 +133,14 @@ def test_freezing_keeps_quantized_weights_and_folds_column_sums():
         def forward(self, x):
             return self.asym(torch.relu(self.sym(x)))
 
-    model = TwoLayers().eval()
+    # Seeded weights: the second layer quantizes the first one's float32 output per token, and
+    # an activation that lands within float32 accumulation error of a rounding midpoint rounds
+    # differently in eager and compiled code (one quantization step, ~1e-3 here).  With
+    # unseeded weights, that made the test depend on the global RNG state left by earlier tests
+    # (it failed once in a full run, session 9); these weights have no such activation.
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = TwoLayers().eval()
     x = torch.randn(9, K, generator=torch.Generator().manual_seed(5))
     with torch.no_grad(), torch._inductor.config.patch(freezing=True), collecting_report() as report:
         out, (code, *_) = run_and_get_code(_compile(model), x)
