@@ -5,10 +5,10 @@
 * M <= ``DECODE_MAX_M``: the weight-streaming tensor-core kernel (int4 turned into mma.sync
   A fragments in registers; zeros and scales applied per group to the accumulators at
   M <= 8, and at M <= 16 where blocks have 8 warps, else in the fragments; K split over
-  the SMs).  It reads the weight in
-  its own fragment layout, made once per weight by ``_awq_repack_cuda`` and kept in a
-  ``TensorCache`` (compile_backend/tensor_cache.py: keyed by where the weight's data is,
-  valid while its version counter is unchanged): never per call.
+  the SMs).  It reads the weight in its own fragment layout, made once per weight by
+  ``_awq_repack_cuda`` and kept in a ``TensorCache`` (compile_backend/tensor_cache.py:
+  keyed by where the weight's data is, valid while its version counter is unchanged):
+  never per call.
 * larger M on Hopper: the CUTLASS mixed-input (TMA + wgmma) kernel of
   ``awq_gemm_sm90`` where it takes the shape (group size a multiple of 64 or per-channel,
   K % 64, N % 128); it runs on a zero-padded copy of x when most of the last token tile

@@ -156,20 +156,14 @@ struct Dq<__nv_bfloat16> {
   __device__ __forceinline__ static uint32_t sub_mul(uint32_t t, const Row& r) {
     return as_u32(__hmul2(__hsub2(as_b2(t), as_b2(r.zb)), as_b2(r.s)));
   }
-  // The four A fragments of frags(), dequantized: rows[j][h] holds row g + 8h of tile j.
+  // The four A fragments of frags(), dequantized: rows[j][h] holds row g + 8h of tile j.  (The
+  // bf16 fragments are 128 + q already, so dequantizing them is one subtraction and multiply.)
   __device__ __forceinline__ static void frags_scaled(const uint4& w, const Row (&rows)[4][2], uint32_t (&a)[4][4]) {
-    const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+    frags(w, a);
 #pragma unroll
-    for (int p = 0; p < 2; ++p) {
-      const uint32_t u = words[2 * p], v = words[2 * p + 1];
-      const uint32_t lo_src[4] = {u, u >> 8, v, v >> 8};         // nibbles (0,4) (2,6) of u, then v
-      const uint32_t hi_src[4] = {u >> 4, u >> 12, v >> 4, v >> 12};  // nibbles (1,5) (3,7)
+    for (int j = 0; j < 4; ++j)
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {  // register r: row g + 8 (r & 1)
-        a[2 * p][r] = sub_mul(lop3_and_or<0x000f000fu, 0x43004300u>(lo_src[r]), rows[2 * p][r & 1]);
-        a[2 * p + 1][r] = sub_mul(lop3_and_or<0x000f000fu, 0x43004300u>(hi_src[r]), rows[2 * p + 1][r & 1]);
-      }
-    }
+      for (int r = 0; r < 4; ++r) a[j][r] = sub_mul(a[j][r], rows[j][r & 1]);  // register r: row g + 8 (r & 1)
   }
   __device__ __forceinline__ static uint32_t pair(uint32_t q, uint32_t z, uint32_t s2) {
     const uint32_t tq = lop3_and_or<0x000f000fu, 0x43004300u>(q);

@@ -47,6 +47,11 @@ struct StripGroups {
         zshift(4 * awq_order(lane >> 2)),
         inv_unit(Dq<T>::inv_unit(lane & 3)) {}
 
+  // The zero of the lane's row 16t + g + 8h (h = 0, 1).
+  __device__ __forceinline__ uint32_t zero(const GroupRaw& r, int h) const {
+    return ((h ? r.z.y : r.z.x) >> zshift) & 0xFu;
+  }
+
   __device__ __forceinline__ void load(int grp, GroupRaw& r) const {
     const uint16_t* sp = s_lane + (size_t)grp * N;
     r.s[0] = __ldg(sp);
@@ -59,10 +64,9 @@ struct StripGroups {
   __device__ __forceinline__ void rows(const GroupRaw& r, int lane, typename Dq<T>::Row (&out)[kTiles][2]) const {
     using Row = typename Dq<T>::Row;
     constexpr int kWords = sizeof(Row) / sizeof(uint32_t);
-    const uint32_t zw[2] = {r.z.x, r.z.y};
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const Row own = Dq<T>::make(r.s[h], (zw[h] >> zshift) & 0xFu);
+      const Row own = Dq<T>::make(r.s[h], zero(r, h));
       const uint32_t* ow = reinterpret_cast<const uint32_t*>(&own);
 #pragma unroll
       for (int j = 0; j < kTiles; ++j) {
@@ -78,11 +82,10 @@ struct StripGroups {
   // the lanes of its g.  All 32 lanes must call it.
   __device__ __forceinline__ GroupFold fold_constants(const GroupRaw& r, int lane) const {
     float S[2], Z[2];
-    const uint32_t zw[2] = {r.z.x, r.z.y};
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float s = Dq<T>::bits_to_float(r.s[h]);
-      const float z = static_cast<float>((zw[h] >> zshift) & 0xFu);
+      const float z = static_cast<float>(zero(r, h));
       S[h] = s * inv_unit;
       Z[h] = -s * (z + Dq<T>::kOffset);
     }
@@ -151,15 +154,22 @@ __device__ __forceinline__ void activation_rows(const T* x, int M, int K, int m0
 
 // One k-step of a strip: the lane's 16 weight bytes as the A fragments of the four 16-row tiles,
 // each multiplied with every token tile's B fragment, and the activations' sums for the zeros.
+// Every A fragment of a k-step times every token tile's B fragment.
+template <typename T, int NT>
+__device__ __forceinline__ void mma_tiles(const uint32_t (&a)[kTiles][4], const uint32_t (&b)[NT][2],
+                                          float (&acc)[kTiles][NT][4]) {
+#pragma unroll
+  for (int j = 0; j < kTiles; ++j)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) Dq<T>::mma(acc[j][nt], a[j], b[nt]);
+}
+
 template <typename T, int NT>
 __device__ __forceinline__ void mma_kstep(const uint4& w, const uint32_t (&b)[NT][2], float (&acc)[kTiles][NT][4],
                                           TokenSums<T, NT>& sx) {
   uint32_t a[kTiles][4];
   Dq<T>::frags(w, a);
-#pragma unroll
-  for (int j = 0; j < kTiles; ++j)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) Dq<T>::mma(acc[j][nt], a[j], b[nt]);
+  mma_tiles<T, NT>(a, b, acc);
   sx.add(b);
 }
 
@@ -169,10 +179,7 @@ __device__ __forceinline__ void mma_kstep_scaled(const uint4& w, const typename 
                                                  const uint32_t (&b)[NT][2], float (&acc)[kTiles][NT][4]) {
   uint32_t a[kTiles][4];
   Dq<T>::frags_scaled(w, rows, a);
-#pragma unroll
-  for (int j = 0; j < kTiles; ++j)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) Dq<T>::mma(acc[j][nt], a[j], b[nt]);
+  mma_tiles<T, NT>(a, b, acc);
 }
 
 // Floats of a block's reduction buffer for NT token tiles of 8.
