@@ -119,7 +119,9 @@ struct Dq<__half> {
   }
   __device__ __forceinline__ static __half from_float(float v) { return __float2half_rn(v); }
   __device__ __forceinline__ static float to_float(__half v) { return __half2float(v); }
-  __device__ __forceinline__ static float bits_to_float(uint32_t b) { return __half2float(__ushort_as_half((unsigned short)b)); }
+  __device__ __forceinline__ static float bits_to_float(uint32_t b) {
+    return __half2float(__ushort_as_half((unsigned short)b));
+  }
 };
 
 // bf16 (7 mantissa bits; its subnormals would make fp32 subnormal products): each nibble is
