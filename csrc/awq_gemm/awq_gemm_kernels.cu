@@ -23,7 +23,6 @@
 #include "awq_gemm/awq_gemm.h"
 #include "awq_gemm/awq_gemm_strip.cuh"
 #include "common/cluster_launch.h"
-#include "common/pdl.h"
 #include "common/sm_count.h"
 
 namespace quantfuse {
@@ -152,19 +151,7 @@ __global__ void __launch_bounds__(W * 32, min_warps_per_sm(NT, W) / W) awq_gemm_
     }
   };
   Batch bat[2];
-  // Programmatic dependent launch: nothing the previous kernel may write (x, out, partial) is
-  // touched before pdl_wait(); the weights' first batches are asked of L2 before it, so that the
-  // DRAM ramp overlaps the previous kernel's end.
-#ifndef QF_PDL_PROLOGUE  // probe knob: 0 wait first, 1 L2 prefetch then wait, 2 (unsafe) loads then wait
-#define QF_PDL_PROLOGUE 1
-#endif
-  if constexpr (QF_PDL_PROLOGUE == 1) {
-    if (lane == 0 && wb < we) prefetch_l2(wl + (size_t)wb * 32, (unsigned)min(we - wb, 2 * kB) * 512u);
-  }
-  if constexpr (QF_PDL_PROLOGUE != 2) pdl_wait();
-  pdl_launch_dependents();
   load_batch(bat[0], wb);
-  if constexpr (QF_PDL_PROLOGUE == 2) pdl_wait();
   int grp = wb / gsteps;
   int pos = wb - grp * gsteps;  // steps of the current group already behind us
   // Scales and zeros are asked for a group ahead.  fold: the current group's are used when it
@@ -387,7 +374,7 @@ cudaError_t reduce_splits(cudaError_t launched, const float* partial, const T* b
 template <typename T, int NT, int W>
 cudaError_t run_gemm(const void* x, const uint32_t* wp, const void* scales, const uint32_t* qzeros,
                      const void* bias, void* out, float* partial, int M, int N, int K, int group_size, int splits,
-                     bool cluster, bool pdl, cudaStream_t stream) {
+                     bool cluster, cudaStream_t stream) {
   const dim3 grid(splits, N / kStripN, (M + 8 * NT - 1) / (8 * NT));
   const T* xp = static_cast<const T*>(x);
   const uint4* wq = reinterpret_cast<const uint4*>(wp);
@@ -395,24 +382,23 @@ cudaError_t run_gemm(const void* x, const uint32_t* wp, const void* scales, cons
   const T* bp = static_cast<const T*>(bias);
   T* op = static_cast<T*>(out);
   if (splits > 1 && cluster) {
-    const ClusterLaunch launch(grid, dim3(W * 32), 0, stream, splits, pdl);
+    const ClusterLaunch launch(grid, dim3(W * 32), 0, stream, splits);
     return cudaLaunchKernelEx(&launch.cfg, awq_gemm_kernel<T, NT, W, true>, xp, wq, sp, qzeros, bp, op,
                               static_cast<float*>(nullptr), M, N, K, group_size);
   }
-  const ClusterLaunch launch(grid, dim3(W * 32), 0, stream, 1, pdl);
-  return reduce_splits<T>(cudaLaunchKernelEx(&launch.cfg, awq_gemm_kernel<T, NT, W, false>, xp, wq, sp, qzeros, bp,
-                                             op, splits > 1 ? partial : nullptr, M, N, K, group_size),
-                          partial, bp, op, M, N, splits, stream);
+  awq_gemm_kernel<T, NT, W, false><<<grid, W * 32, 0, stream>>>(xp, wq, sp, qzeros, bp, op,
+                                                                 splits > 1 ? partial : nullptr, M, N, K, group_size);
+  return reduce_splits<T>(cudaGetLastError(), partial, bp, op, M, N, splits, stream);
 }
 
 template <typename T, int W>
 cudaError_t gemm_warps(const void* x, const uint32_t* wp, const void* scales, const uint32_t* qzeros,
                        const void* bias, void* out, float* partial, int M, int N, int K, int group_size, int splits,
-                       bool cluster, bool pdl, cudaStream_t stream) {
+                       bool cluster, cudaStream_t stream) {
   switch (nt_for(M)) {
-    case 1: return run_gemm<T, 1, W>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, pdl, stream);
-    case 2: return run_gemm<T, 2, W>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, pdl, stream);
-    default: return run_gemm<T, 4, W>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, pdl, stream);
+    case 1: return run_gemm<T, 1, W>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, stream);
+    case 2: return run_gemm<T, 2, W>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, stream);
+    default: return run_gemm<T, 4, W>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, stream);
   }
 }
 
@@ -420,12 +406,9 @@ template <typename T>
 cudaError_t gemm_dtype(const void* x, const uint32_t* wp, const void* scales, const uint32_t* qzeros,
                        const void* bias, void* out, float* partial, int M, int N, int K, int group_size, int splits,
                        int warps, bool cluster, int device, cudaStream_t stream) {
-  const bool pdl = pdl_launch(device);
   if (warps_for(warps, M, N, device) == 8)
-    return gemm_warps<T, 8>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, pdl,
-                            stream);
-  return gemm_warps<T, 4>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, pdl,
-                          stream);
+    return gemm_warps<T, 8>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, stream);
+  return gemm_warps<T, 4>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, stream);
 }
 
 unsigned grid_for(size_t work, int threads) {

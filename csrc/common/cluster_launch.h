@@ -1,5 +1,4 @@
-// Launch configuration for cudaLaunchKernelEx with an optional (x, 1, 1) thread-block cluster and
-// optional programmatic dependent launch (common/pdl.h).
+// Launch configuration for cudaLaunchKernelEx with an optional (x, 1, 1) thread-block cluster.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -9,12 +8,12 @@
 namespace quantfuse {
 
 // `cfg` points into `attr`, so the object is neither copied nor moved; a cluster of 1 (or less)
-// launches without the cluster attribute.
+// launches without the attribute.  attr[1] is free for one more attribute (numAttrs += 1).
 struct ClusterLaunch {
   cudaLaunchConfig_t cfg = {};
   cudaLaunchAttribute attr[2] = {};
 
-  ClusterLaunch(dim3 grid, dim3 block, size_t smem, cudaStream_t stream, int cluster_x, bool pdl = false) {
+  ClusterLaunch(dim3 grid, dim3 block, size_t smem, cudaStream_t stream, int cluster_x) {
     cfg.gridDim = grid;
     cfg.blockDim = block;
     cfg.dynamicSmemBytes = smem;
@@ -27,11 +26,6 @@ struct ClusterLaunch {
       attr[0].val.clusterDim.y = 1;
       attr[0].val.clusterDim.z = 1;
       cfg.numAttrs = 1;
-    }
-    if (pdl) {
-      attr[cfg.numAttrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-      attr[cfg.numAttrs].val.programmaticStreamSerializationAllowed = 1;
-      cfg.numAttrs += 1;
     }
   }
   ClusterLaunch(const ClusterLaunch&) = delete;

@@ -50,7 +50,6 @@
 #include <type_traits>
 
 #include "common/cluster_launch.h"
-#include "common/pdl.h"
 #include "common/stream_load.h"
 #include "scaled_mm/scaled_mm_decode.h"
 
@@ -308,22 +307,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, (NT == 1 || kBatch <= 2) ? 2 :
 
   // Double-buffered batches: the next batch's loads are all issued before this one's mma.
   Batch<kBatch, NT> b0, b1;
-  // Programmatic dependent launch (common/pdl.h): the first two batches of the warp's weight rows
-  // are asked of L2 before waiting for the previous kernel; a, d and the epilogue's operands only
-  // after.
-#ifndef QF_PDL_PROLOGUE  // probe knob: 0 wait first, 1 L2 prefetch then wait, 2 (unsafe) loads then wait
-#define QF_PDL_PROLOGUE 1
-#endif
-  if constexpr (QF_PDL_PROLOGUE == 1) {
-    const int first = min(c_end - c0, 2 * kBatch) * kChunkBytes;
-    const int bytes = min(first, K - c0 * kChunkBytes);
-    if (lane < kRowsPerWarp && n0 + lane < N && bytes > 0)
-      prefetch_l2(args.b + int64_t(n0 + lane) * args.ldb + int64_t(c0) * kChunkBytes, (unsigned)bytes);
-  }
-  if constexpr (QF_PDL_PROLOGUE != 2) pdl_wait();
-  pdl_launch_dependents();
   load(b0, c0);
-  if constexpr (QF_PDL_PROLOGUE == 2) pdl_wait();
   for (int c = c0; c < c_end; c += 2 * kBatch) {
     load(b1, c + kBatch);
     use(b0, c);
@@ -405,8 +389,7 @@ int launch_one(const ScaledMmParams& p, const DecodeConfig& c, int* cuda_error) 
   cudaError_t err = cudaSuccess;
 
   const ClusterLaunch launch(dim3(static_cast<unsigned>(row_blocks) * c.splits, 1, 1), dim3(32 * c.warps, 1, 1),
-                             static_cast<size_t>(smem), static_cast<cudaStream_t>(p.stream), c.splits,
-                             pdl_launch(p.device));
+                             static_cast<size_t>(smem), static_cast<cudaStream_t>(p.stream), c.splits);
   if (err == cudaSuccess) err = cudaLaunchKernelEx(&launch.cfg, kernel, args, epi);
   if (err == cudaSuccess) err = cudaGetLastError();
   if (err != cudaSuccess) {
