@@ -3,12 +3,22 @@
 Two ways to keep a call from reading its weight out of the 50 MB L2:
 
 * ``rotating(calls)``: the calls (closures over distinct input sets whose bytes together
-  exceed twice the L2) are captured in one CUDA graph; the median replay time (CUDA events,
-  no flush between replays) is divided by the number of calls.  This is what a model sees
-  (each layer reads weights no one read recently, the lines left in L2 are clean) and it
-  excludes host launch overhead for every path alike.  METHOD.md's "rotate among several
-  input sets".  (triton's do_bench is not used here: its flush before every replay would
-  leave the first call of each replay writing back dirty lines.)
+  exceed twice the L2) are captured in one CUDA graph, repeated until a replay lasts at
+  least ``MIN_REPLAY_US``; the median replay time (CUDA events, no flush between replays) is
+  divided by the number of calls.  This is what a model sees (each layer reads weights no
+  one read recently, the lines left in L2 are clean) and it excludes host launch overhead
+  for every path alike.  METHOD.md's "rotate among several input sets".  (triton's do_bench
+  is not used here: its flush before every replay would leave the first call of each replay
+  writing back dirty lines.)
+
+  Each replay also costs a fixed amount that belongs to no call: the host's ``replay()``,
+  during which the GPU idles after the start event, and the graph's launch.  On the H100
+  that was 9.5-16 µs per replay (a graph of one tiny kernel), so before session 10, when a
+  replay held the input sets once (1 to 8 calls), every call timed carried 1-16 µs of it
+  (`probe/timer_overhead_2026-11-24.txt`).  Now a GPU sleep is queued before the start event,
+  so the graph is already submitted when the GPU reaches it, and the calls are repeated in
+  the same order (the rotation is unchanged) until a replay lasts ``MIN_REPLAY_US``.  The tiny
+  kernel then times at 1.2 µs per call (16.4 before).
 * ``flushed(fn)``: ``triton.testing.do_bench``, which zero-fills a 256 MB buffer before every
   call.  That leaves the L2 full of dirty lines, so a memory-bound call also writes back
   lines it never touched (H100, int8 4096 x 4096 at M = 1: 12-20% slower than rotating).
@@ -36,11 +46,14 @@ def flushed(fn) -> float:
     return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
 
 
-def rotating(calls, reps: int = 60) -> float:
-    """Median µs of one call; ``calls`` are closures over distinct inputs, replayed as one graph."""
-    for c in calls:  # warm up outside the graph (builds, caches, autotuning)
-        c()
-    torch.cuda.synchronize()
+# A replay at least this long, so that the graph launch is a small part of it.
+MIN_REPLAY_US = 500.0
+# GPU cycles of the sleep queued before each start event; longer than the host's replay()
+# (~10 µs) at the H100's clock.
+_SLEEP_CYCLES = 100_000
+
+
+def _capture(calls) -> torch.cuda.CUDAGraph:
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -54,17 +67,38 @@ def rotating(calls, reps: int = 60) -> float:
     torch.cuda.synchronize()
     for _ in range(3):
         graph.replay()
+    return graph
+
+
+def _median_replay_us(graph: torch.cuda.CUDAGraph, reps: int) -> float:
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(_SLEEP_CYCLES)  # the GPU is busy while the host submits the replay
         start.record()
         graph.replay()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    del graph
     times.sort()
-    return times[len(times) // 2] * 1000.0 / len(calls)
+    return times[len(times) // 2] * 1000.0
+
+
+def rotating(calls, reps: int = 60) -> float:
+    """Median µs of one call; ``calls`` are closures over distinct inputs, replayed as one graph
+    (repeated until a replay lasts ``MIN_REPLAY_US``)."""
+    calls = list(calls)
+    for c in calls:  # warm up outside the graph (builds, caches, autotuning)
+        c()
+    torch.cuda.synchronize()
+    graph = _capture(calls)
+    repeat = max(1, math.ceil(MIN_REPLAY_US / _median_replay_us(graph, 5)))
+    if repeat > 1:
+        del graph
+        graph = _capture(calls * repeat)
+    us = _median_replay_us(graph, reps)
+    del graph
+    return us / (len(calls) * repeat)
 
 
 def copy_bandwidth() -> float:
