@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from timing import copies_for, rotating  # noqa: E402
 
 SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
-MS = (1, 8, 16, 32, 48, 64, 128, 256, 1024, 4096)
+MS = (1, 8, 16, 32, 48, 64, 128, 256, 320, 384, 512, 640, 768, 1024, 4096)
 G = 128
 DEV = "cuda"
 

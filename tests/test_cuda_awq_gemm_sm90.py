@@ -113,11 +113,12 @@ def test_llama_shapes(N, K, M, dtype, group):
 
 
 @needs_sm90
-@pytest.mark.parametrize("config", (0, 1, 2, 3))
+@pytest.mark.parametrize("config", (0, 1, 2, 3, 4))
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_each_config(config, dtype):
     """Every tile configuration at small and large M (partial tiles included), with an
-    odd number of 128-row weight tiles (N = 384: the 2x1 cluster's second CTA is idle)."""
+    odd number of 128-row weight tiles (N = 384: the 2x1 cluster's second CTA is idle;
+    config 4: stream-K splits the K loop of some tiles over several CTAs)."""
     for M in (65, 300, 1500):
         run_case(M, 1024, 2048, 128, dtype, seed=M + config, bias=True, config=config)
         run_case(M, 384, 1024, -1, dtype, seed=M + config + 7, config=config)
@@ -131,7 +132,18 @@ def test_token_padding_rule():
     assert [rows(m, 1) for m in (1, 33, 70, 71, 100, 128, 129, 200)] == [128, 128, 128, 71, 100, 128, 256, 200]
     assert [rows(m, c) for m, c in ((129, 3), (140, 3), (141, 2), (300, 2), (1000, 3), (1024, 3))] == [
         256, 256, 141, 512, 1000, 1024]
+    assert [rows(m, 4) for m in (1, 70, 71, 300, 330)] == [128, 128, 71, 384, 330]
     assert rows(0, 0) == 0
+
+
+@needs_sm90
+def test_config_choice():
+    """Stream-K (config 4) between 256 and 1024 tokens at an odd number of 128-token tiles,
+    the wave cost model elsewhere (awq_gemm_sm90_f16.cu: choose_config)."""
+    choose = torch.ops.quantfuse._awq_sm90_config
+    assert [choose(m, 6144, 4096, 128, 132) for m in (257, 320, 384, 600, 800)] == [4] * 5
+    assert all(choose(m, 6144, 4096, 128, 132) != 4 for m in (128, 256, 448, 512, 768, 1024, 1152))
+    assert choose(4096, 28672, 4096, 128, 132) == 3
 
 
 @needs_sm90
@@ -141,7 +153,7 @@ def test_padded_calls(dtype):
     rows, contiguous, with the same bound as every other call; auto and forced configs."""
     for i, M in enumerate((1, 33, 129, 300)):
         run_case(M, 640, 1024, 128, dtype, seed=70 + i, bias=(i % 2 == 0))
-        run_case(M, 256, 512, -1, dtype, seed=80 + i, config=i % 4)
+        run_case(M, 256, 512, -1, dtype, seed=80 + i, config=i % 5)
 
 
 @needs_sm90

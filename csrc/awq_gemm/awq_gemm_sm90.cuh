@@ -17,6 +17,7 @@
 #endif
 
 #include <cuda_runtime.h>
+#include <type_traits>
 
 #include "cutlass/cutlass.h"
 #include "cute/tensor.hpp"
@@ -69,9 +70,12 @@ struct Sm90Only : Kernel {
 // ------------------------------------------------------------------ tile configurations
 // Tile = (weight rows [kernel M], tokens [kernel N], K).  Pingpong: one consumer warpgroup
 // per tile, two alternating (one's epilogue hides under the other's mainloop); Cooperative:
-// both warpgroups on one tile (128 weight rows, 64 each).
-template <int TM, int TN, int TK, bool Coop, int ClusterM = 1>
+// both warpgroups on one tile (128 weight rows, 64 each).  Scheduler: CUTLASS's persistent
+// tile scheduler (void), or its stream-K scheduler (cooperative kernels only), which splits
+// the K loop of the last tiles over the SMs that the whole tiles leave idle.
+template <int TM, int TN, int TK, bool Coop, int ClusterM = 1, class Scheduler_ = void>
 struct Config {
+  using Scheduler = Scheduler_;
   using Tile = Shape<Int<TM>, Int<TN>, Int<TK>>;
   using Cluster = Shape<Int<ClusterM>, _1, _1>;
   using KernelSchedule = std::conditional_t<Coop, cutlass::gemm::KernelTmaWarpSpecializedCooperative,
@@ -95,6 +99,9 @@ using ConfigMedium = Config<64, 256, 64, false>;
 //    (Same tile without the cluster: 0-15% slower; 128x128 tiles, 64x64 tiles, 128-deep K
 //    for large tiles and the plain (not reordered) int4 layout were all slower.)
 using ConfigLarge = Config<128, 256, 64, true, 2>;
+// 4: 128 x 128 x 64 cooperative with the stream-K scheduler: M where whole tiles leave much
+//    of the last wave idle (e.g. 6144 x 4096 at M = 384: 144 tiles on 132 SMs).
+using ConfigStreamK = Config<128, 128, 64, true, 1, cutlass::gemm::StreamKScheduler>;
 
 template <class T, class Cfg>
 struct AwqGemm {
@@ -129,7 +136,7 @@ struct AwqGemm {
       typename Cfg::KernelSchedule>::CollectiveOp;
 
   using KernelBase = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, CollectiveMainloop,
-                                                          CollectiveEpilogue>;
+                                                          CollectiveEpilogue, typename Cfg::Scheduler>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Sm90Only<KernelBase>>;
 
   static int run(const GemmParams& p) {
@@ -160,6 +167,10 @@ struct AwqGemm {
         {evt, nullptr, stride_d, static_cast<T*>(p.out), stride_d}};
     args.hw_info.device_id = p.device;
     args.hw_info.sm_count = quantfuse::sm_count(p.device, 0);
+    if constexpr (std::is_same_v<typename Cfg::Scheduler, cutlass::gemm::StreamKScheduler>) {
+      // CUTLASS's heuristic keeps whole tiles when they fit one wave, which leaves SMs idle.
+      args.scheduler.decomposition_mode = KernelBase::TileScheduler::DecompositionMode::StreamK;
+    }
 
     Gemm gemm;
     if (gemm.can_implement(args) != cutlass::Status::kSuccess) return kCannotImplement;
@@ -216,6 +227,7 @@ int dispatch(const GemmParams& p) {
     case 1: return AwqGemm<T, ConfigSmallK128>::run(p);
     case 2: return AwqGemm<T, ConfigMedium>::run(p);
     case 3: return AwqGemm<T, ConfigLarge>::run(p);
+    case 4: return AwqGemm<T, ConfigStreamK>::run(p);
     default: return kUnsupported;
   }
 }

@@ -51,12 +51,19 @@ cudaError_t launch_prepare_zeros(DType dtype, const uint32_t* qzeros, const void
   return prepare_zeros_bf16(qzeros, scales, zeros_out, groups, N, stream);
 }
 
-// Cost model: a persistent kernel's time ~ (waves of tiles over the SMs) x (time of one
-// wave of that tile), the latter measured on an H100 at K = 4096 (µs; each config's
+// Between 256 and 1024 tokens, an odd number of 128-token tiles: config 4 (128-token tiles,
+// stream-K).  The 256-token tiles of configs 2 and 3 then run with a half-empty last tile,
+// and configs 0 and 1 with an extra wave.  H100, fp16, group 128, the four Llama shapes at
+// M = 320, 384 and 640 (benchmarks/probe/awq_sm90_streamk_2026-11-24.txt): 10-35% faster than
+// the cost model's choice at 11 of the 12 points, 9% slower at the other (4096 x 4096, M = 320).
+// At an even number (M = 448, 512, 768) config 4 measured slower than the model's choice.
+// Otherwise a cost model: a persistent kernel's time ~ (waves of tiles over the SMs) x (time
+// of one wave of that tile), the latter measured on an H100 at K = 4096 (µs; each config's
 // per-wave time scales alike with K): 64x128x128 19, 64x128x64 22, 64x256 26.5,
-// 128x256 cluster 2x1 47.  Of the four it picks the measured-fastest in 23 of the 24
+// 128x256 cluster 2x1 47.  Of configs 0-3 it picks the measured-fastest in 23 of the 24
 // benchmarked (shape, M) points (fp16, group 128, M 128..8192), and one 0.2% slower in the other.
 int choose_config(int64_t M, int64_t N, int64_t K, int group_size, int sm_count) {
+  if (M > 256 && M < 1024 && ((M + 127) / 128) % 2 == 1) return 4;
   const int64_t sms = sm_count > 0 ? sm_count : 132;
   auto waves = [&](int64_t tiles) { return double((tiles + sms - 1) / sms); };
   auto tiles = [&](int64_t tm, int64_t tn) { return ((N + tm - 1) / tm) * ((M + tn - 1) / tn); };

@@ -122,7 +122,7 @@ at::Tensor awq_gemm_sm90_cuda(const at::Tensor& x, const at::Tensor& wq, const a
   }
   QF_CHECK(M * K < (int64_t(1) << 31) && M * N < (int64_t(1) << 31),
               "quantfuse awq_sm90: sizes too large for 32-bit indexing");
-  QF_CHECK(config >= -1 && config <= 3, "quantfuse awq_sm90: config must be -1 (auto) or 0..3");
+  QF_CHECK(config >= -1 && config <= 4, "quantfuse awq_sm90: config must be -1 (auto) or 0..4");
   const c10::cuda::CUDAGuard guard(x.device());
   if (M == 0 || N == 0) return at::empty({M, N}, x.options());
   // The configuration is fixed before padding, so a padded call runs the tiles M would.
@@ -163,7 +163,7 @@ int64_t awq_sm90_config(int64_t M, int64_t N, int64_t K, int64_t group_size, int
 
 // The token count a call of M tokens runs at under a configuration (x zero-padded above M).
 int64_t awq_sm90_rows(int64_t M, int64_t config) {
-  QF_CHECK(M >= 0 && config >= 0 && config <= 3, "quantfuse awq_sm90: need M >= 0 and config in 0..3");
+  QF_CHECK(M >= 0 && config >= 0 && config <= 4, "quantfuse awq_sm90: need M >= 0 and config in 0..4");
   return quantfuse::awq_sm90::padded_tokens(M, (int)config);
 }
 
