@@ -14,9 +14,10 @@ operand is the register-sourced one.
   garbage-collected, and nothing is cached while a CUDA stream is capturing (memory
   allocated then belongs to the graph's pool).
 
-Which M to send here is the caller's choice.  Measured on an H100 (fp16, group 128): faster
-than dequantize + cuBLAS at every M from 128 to 8192 on the Llama shapes (1.04-3.2x), and
-0.92-1.49x fp16 cuBLAS on the dequantized weight.
+Which M to send here is the caller's choice.  Measured on an H100 (fp16, group 128, M 128 to
+4096 on the Llama shapes; benchmarks/RESULTS.md, session 10): faster than dequantize + cuBLAS
+at every M (1.07-3.3x), and 0.60-1.45x fp16 cuBLAS on the dequantized weight; below 1.0x
+mostly between the multiples of 256 tokens under 1024, where the tiles leave part of a wave.
 """
 
 from __future__ import annotations

@@ -86,8 +86,9 @@ struct Config {
 };
 
 // Measured on an H100 (fp16, group 128, N x K in {6144, 4096, 28672} x 4096 and 4096 x 14336,
-// M 128..8192; 12 configurations tried, fp16): four kept, chosen by a
-// wave-count cost model (choose_config in awq_gemm_sm90_f16.cu).
+// M 128..8192; 12 configurations tried, fp16): four kept (0-3), chosen by a wave-count cost
+// model, and since session 10 a stream-K one (4) for part of 256 < M < 1024 (choose_config in
+// awq_gemm_sm90_f16.cu).
 // 0: 64 weight rows x 128 tokens x 64, ping-pong: small M, any group size.
 using ConfigSmall = Config<64, 128, 64, false>;
 // 1: same with 128-deep K tiles (half the barrier round trips per K): ~10% faster at
