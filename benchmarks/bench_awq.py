@@ -1,6 +1,6 @@
 """AWQ W4A16 GEMM benchmark: quantfuse against what a user runs instead, in one run.
 
-For (N, K) in the four Llama layer shapes and M in {1, 16, 32, 64, 128, 256, 1024, 4096}:
+For (N, K) in the four Llama layer shapes and M in ``MS`` (1 to 4096):
 
 * ours            torch.ops.quantfuse.awq_gemm (dispatch: the streaming kernel for small M,
                   the SM90 mixed-input kernel above the crossover)
@@ -15,7 +15,7 @@ fp16 activations, group size 128.  Each timed call runs as a CUDA graph that loo
 enough input copies (weights included) to exceed twice the 50 MB L2, so no call reads a
 weight from L2 left there by the previous one; host launch overhead is excluded for
 every path alike.  Times are medians of CUDA-event-timed replays (no L2 flush between
-them; benchmarks/timing.py), divided by the copies per replay.  Effective TB/s counts the int4 weight, scales and
+them; benchmarks/timing.py), divided by the calls per replay.  Effective TB/s counts the int4 weight, scales and
 zeros bytes once.
 
     PYTHONPATH=. python benchmarks/bench_awq.py --out DIR

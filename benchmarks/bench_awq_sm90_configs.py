@@ -4,9 +4,9 @@
 
 One line per (shape, M): the op's own choice ("auto"), configurations 0-4 forced through
 ``launch_prefill(config=c)``, and fp16 cuBLAS on a dense weight, in µs (median of rotating
-CUDA-graph replays, benchmarks/timing.py).  fp16, group 128, the four Llama shapes.  What
-``choose_config`` (csrc/awq_gemm/awq_gemm_sm90_f16.cu) was fitted to; output of session 10:
-benchmarks/probe/awq_sm90_streamk_2026-11-24.txt.
+CUDA-graph replays, benchmarks/timing.py).  fp16, group 128, bench_awq.py's shapes and
+input sets.  What ``choose_config`` (csrc/awq_gemm/awq_gemm_sm90_f16.cu) was fitted to;
+output of session 10: benchmarks/probe/awq_sm90_streamk_2026-11-24.txt.
 """
 
 from __future__ import annotations
@@ -20,11 +20,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench_awq import DEV, SHAPES, G, make_set, weight_bytes  # noqa: E402
 from timing import copies_for, rotating  # noqa: E402
 
-SHAPES = ((6144, 4096), (4096, 4096), (4096, 14336), (28672, 4096))
 CONFIGS = (0, 1, 2, 3, 4)
-GROUP = 128
 
 
 def main() -> int:
@@ -41,20 +40,15 @@ def main() -> int:
     if not kernels.ensure_loaded() or not kernels.op_built("_awq_gemm_sm90_cuda"):
         print("the SM90 AWQ kernel is not built", file=sys.stderr)
         return 1
-    torch.manual_seed(0)
-    dev = "cuda"
-    print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}; fp16, group {GROUP}, µs", flush=True)
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}; fp16, group {G}, µs", flush=True)
     for N, K in SHAPES:
-        sets = []
-        for _ in range(copies_for(N * K // 2)):
-            qw = torch.randint(-2**31, 2**31 - 1, (K, N // 8), dtype=torch.int32, device=dev)
-            sc = (torch.rand(K // GROUP, N, device=dev) * 0.01 + 0.001).half()
-            qz = torch.randint(-2**31, 2**31 - 1, (K // GROUP, N // 8), dtype=torch.int32, device=dev)
-            sets.append((qw, sc, qz))
-        dense = [torch.randn(N, K, device=dev).half() for _ in range(copies_for(N * K * 2))]
+        # (qweight, scales, qzeros) of bench_awq's input sets; x is made per M below
+        sets = [make_set(1, N, K, gen)[1:] for _ in range(copies_for(weight_bytes(N, K)))]
+        dense = [torch.randn(N, K, device=DEV).half() for _ in range(copies_for(N * K * 2))]
         for M in (int(m) for m in args.ms.split(",")):
-            x = torch.randn(M, K, device=dev).half()
-            t = {c: rotating([lambda s=s, c=c: sm90.launch_prefill(x, *s, GROUP, None, c) for s in sets])
+            x = torch.randn(M, K, device=DEV).half()
+            t = {c: rotating([lambda s=s, c=c: sm90.launch_prefill(x, *s, G, None, c) for s in sets])
                  for c in (-1,) + CONFIGS}
             cublas = rotating([lambda w=w: x @ w.t() for w in dense])
             best = min(t[c] for c in CONFIGS)
