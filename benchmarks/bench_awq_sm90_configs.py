@@ -1,12 +1,15 @@
 """The AWQ SM90 prefill kernel's tile configurations, each forced, against fp16 cuBLAS.
 
-    python benchmarks/bench_awq_sm90_configs.py [--ms 192,256,320,384,448,512,640,768,1024]
+    python benchmarks/bench_awq_sm90_configs.py [--ms 192,256,...] [--configs 0,1,...] [--repeats 2]
 
-One line per (shape, M): the op's own choice ("auto"), configurations 0-4 forced through
+One line per (shape, M): the op's own choice ("auto"), each configuration forced through
 ``launch_prefill(config=c)``, and fp16 cuBLAS on a dense weight, in µs (median of rotating
 CUDA-graph replays, benchmarks/timing.py).  fp16, group 128, bench_awq.py's shapes and
-input sets.  What ``choose_config`` (csrc/awq_gemm/awq_gemm_sm90_f16.cu) was fitted to;
-output of session 10: benchmarks/probe/awq_sm90_streamk_2026-11-24.txt.
+input sets.  ``--repeats`` times every row that many times, interleaved (the spread between
+repeats is the noise).  The last line per configuration is its fitted time per wave
+(median over the rows of time / waves of its tiles, at K = 4096), what ``choose_config``
+(csrc/awq_gemm/awq_gemm_sm90.cu) takes.  Outputs: benchmarks/probe/awq_sm90_streamk_2026-11-24.txt
+(session 10, configs 0-4), benchmarks/probe/awq_sm90_widths_2026-11-25.txt (session 11).
 """
 
 from __future__ import annotations
@@ -23,13 +26,21 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_awq import DEV, SHAPES, G, make_set, weight_bytes  # noqa: E402
 from timing import copies_for, rotating  # noqa: E402
 
-CONFIGS = (0, 1, 2, 3, 4)
+# rows x tokens of each configuration's tile (csrc/awq_gemm/awq_gemm_sm90.h: kTokenTiles)
+TILES = {0: (64, 128), 1: (64, 128), 2: (64, 256), 3: (128, 256), 4: (128, 128), 5: (64, 160), 6: (64, 192),
+         7: (64, 224), 8: (128, 160), 9: (128, 192), 10: (128, 224), 11: (64, 128), 12: (64, 160), 13: (64, 192),
+         14: (64, 224)}
+SMS = 132
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default="192,256,320,384,448,512,640,768,1024")
+    ap.add_argument("--configs", default=",".join(str(c) for c in TILES))
+    ap.add_argument("--repeats", type=int, default=1)
     args = ap.parse_args()
+    configs = [int(c) for c in args.configs.split(",")]
+    per_wave = {c: [] for c in configs}
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         print("needs a Hopper (sm_90) GPU", file=sys.stderr)
         return 1
@@ -46,17 +57,27 @@ def main() -> int:
         # (qweight, scales, qzeros) of bench_awq's input sets; x is made per M below
         sets = [make_set(1, N, K, gen)[1:] for _ in range(copies_for(weight_bytes(N, K)))]
         dense = [torch.randn(N, K, device=DEV).half() for _ in range(copies_for(N * K * 2))]
-        for M in (int(m) for m in args.ms.split(",")):
-            x = torch.randn(M, K, device=DEV).half()
-            t = {c: rotating([lambda s=s, c=c: sm90.launch_prefill(x, *s, G, None, c) for s in sets])
-                 for c in (-1,) + CONFIGS}
-            cublas = rotating([lambda w=w: x @ w.t() for w in dense])
-            best = min(t[c] for c in CONFIGS)
-            print(f"N={N:5d} K={K:5d} M={M:4d} auto {t[-1]:7.1f} | "
-                  + " ".join(f"c{c} {t[c]:7.1f}" for c in CONFIGS)
-                  + f" | cuBLAS {cublas:7.1f} -> best/cuBLAS {cublas / best:.2f}, auto/cuBLAS {cublas / t[-1]:.2f}",
-                  flush=True)
+        for _ in range(args.repeats):
+            for M in (int(m) for m in args.ms.split(",")):
+                x = torch.randn(M, K, device=DEV).half()
+                auto = torch.ops.quantfuse._awq_sm90_config(M, N, K, G, SMS)
+                t = {c: rotating([lambda s=s, c=c: sm90.launch_prefill(x, *s, G, None, c) for s in sets])
+                     for c in [-1] + configs}
+                cublas = rotating([lambda w=w: x @ w.t() for w in dense])
+                best = min(configs, key=lambda c: t[c])
+                for c in configs:
+                    rows, tokens = TILES[c]
+                    tiles = -(-N // rows) * -(-M // tokens)
+                    per_wave[c].append(t[c] / -(-tiles // SMS) * 4096 / K)
+                print(f"N={N:5d} K={K:5d} M={M:4d} auto(c{auto}) {t[-1]:7.1f} | "
+                      + " ".join(f"c{c} {t[c]:7.1f}" for c in configs)
+                      + f" | cuBLAS {cublas:7.1f} -> best c{best} {cublas / t[best]:.2f}x cuBLAS,"
+                      f" auto {cublas / t[-1]:.2f}x", flush=True)
         del sets, dense
+    for c in configs:
+        v = sorted(per_wave[c])
+        print(f"config {c} {TILES[c]}: µs per wave at K=4096, median {v[len(v) // 2]:.1f}, "
+              f"min {v[0]:.1f}, max {v[-1]:.1f}")
     return 0
 
 

@@ -113,12 +113,13 @@ def test_llama_shapes(N, K, M, dtype, group):
 
 
 @needs_sm90
-@pytest.mark.parametrize("config", (0, 1, 2, 3, 4))
+@pytest.mark.parametrize("config", range(15))  # csrc/awq_gemm/awq_gemm_sm90.h: kNumConfigs
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_each_config(config, dtype):
     """Every tile configuration at small and large M (partial tiles included), with an
     odd number of 128-row weight tiles (N = 384: the 2x1 cluster's second CTA is idle;
-    config 4: stream-K splits the K loop of some tiles over several CTAs)."""
+    config 4: stream-K splits the K loop of some tiles over several CTAs; configs 5-11:
+    token tiles of 160-256)."""
     for M in (65, 300, 1500):
         run_case(M, 1024, 2048, 128, dtype, seed=M + config, bias=True, config=config)
         run_case(M, 384, 1024, -1, dtype, seed=M + config + 7, config=config)
@@ -133,16 +134,25 @@ def test_token_padding_rule():
     assert [rows(m, c) for m, c in ((129, 3), (140, 3), (141, 2), (300, 2), (1000, 3), (1024, 3))] == [
         256, 256, 141, 512, 1000, 1024]
     assert [rows(m, 4) for m in (1, 70, 71, 300, 330)] == [128, 128, 71, 384, 330]
+    assert [rows(m, 5) for m in (1, 88, 89, 161, 300, 320)] == [160, 160, 89, 320, 300, 320]
+    assert [rows(m, 14) for m in (123, 124, 225, 448)] == [224, 124, 448, 448]
     assert rows(0, 0) == 0
 
 
 @needs_sm90
 def test_config_choice():
-    """Stream-K (config 4) between 256 and 1024 tokens at an odd number of 128-token tiles,
-    the wave cost model elsewhere (awq_gemm_sm90_f16.cu: choose_config)."""
+    """The wave cost model (awq_gemm_sm90.cu: choose_config): below 1024 tokens the token
+    tile is sized to M, the 128-deep K tiles only where the group size allows them, and
+    stream-K where a long K loop has few tiles; from 1024 tokens configs 0-3 only."""
     choose = torch.ops.quantfuse._awq_sm90_config
-    assert [choose(m, 6144, 4096, 128, 132) for m in (257, 320, 384, 600, 800)] == [4] * 5
-    assert all(choose(m, 6144, 4096, 128, 132) != 4 for m in (128, 256, 448, 512, 768, 1024, 1152))
+    tokens = torch.ops.quantfuse._awq_sm90_rows
+    # 4096 x 4096: 160-, 192- and 224-token tiles at M = 320, 384, 448 (128 tiles: one wave)
+    assert [choose(m, 4096, 4096, 128, 132) for m in (320, 384, 448, 768)] == [5, 6, 7, 9]
+    assert [tokens(m, choose(m, 4096, 4096, 128, 132)) for m in (320, 384, 448)] == [320, 384, 448]
+    assert choose(320, 4096, 4096, 64, 132) not in (1, 5, 6, 7)  # group 64: no 128-deep K tiles
+    assert choose(128, 4096, 14336, 128, 132) == 4
+    assert choose(128, 4096, 4096, 128, 132) == 1
+    assert all(choose(m, n, 4096, 128, 132) <= 3 for m in (1024, 2048, 4096, 8192) for n in (4096, 6144, 28672))
     assert choose(4096, 28672, 4096, 128, 132) == 3
 
 

@@ -89,7 +89,8 @@ def clear_cache() -> None:
 
 def launch_prefill(x, qweight, scales, qzeros, group_size, bias=None, config: int = -1):
     """``x @ W + bias`` through the SM90 mixed-input kernel (inputs must pass
-    ``supports_prefill``).  ``config`` 0..4 forces a tile configuration (tests, benchmarks)."""
+    ``supports_prefill``).  ``config`` >= 0 forces a tile configuration (tests, benchmarks;
+    csrc/awq_gemm/awq_gemm_sm90.h: kNumConfigs)."""
     M, N = x.shape[0], qweight.shape[1] * 8
     if M == 0:
         return x.new_empty((0, N))

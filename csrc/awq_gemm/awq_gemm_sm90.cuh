@@ -1,6 +1,6 @@
 // AWQ W4A16 prefill GEMM on Hopper: CUTLASS 3.x mixed-input warp-specialized kernel
 // assembly, tile configurations and the prepared int4 layout.  Included only by
-// awq_gemm_sm90_{f16,bf16}.cu (and nothing here includes torch).
+// awq_gemm_sm90.cu and awq_gemm_sm90_tiles_c<C>.cu (and nothing here includes torch).
 //
 // Problem (swapped, see awq_gemm_sm90.h):  D^T[N, M] = W^T[N, K] . x^T[K, M] + bias[N]
 //   kernel "A"  = the int4 weight, [N, K] K-major, cutlass::uint4b_t (q in 0..15), with
@@ -82,13 +82,12 @@ struct Config {
                                             cutlass::gemm::KernelTmaWarpSpecializedPingpong>;
   using EpiSchedule = std::conditional_t<Coop, cutlass::epilogue::TmaWarpSpecializedCooperative,
                                          cutlass::epilogue::TmaWarpSpecialized>;
+  static constexpr int kTileN = TN;
   static constexpr int kTileK = TK;
 };
 
-// Measured on an H100 (fp16, group 128, N x K in {6144, 4096, 28672} x 4096 and 4096 x 14336,
-// M 128..8192; 12 configurations tried, fp16): four kept (0-3), chosen by a wave-count cost
-// model, and since session 10 a stream-K one (4) for part of 256 < M < 1024 (choose_config in
-// awq_gemm_sm90_f16.cu).
+// Measured on an H100 (fp16, group 128, the four Llama shapes, M 128..8192): chosen by
+// choose_config (awq_gemm_sm90.cu), a wave cost model over the configurations below.
 // 0: 64 weight rows x 128 tokens x 64, ping-pong: small M, any group size.
 using ConfigSmall = Config<64, 128, 64, false>;
 // 1: same with 128-deep K tiles (half the barrier round trips per K): ~10% faster at
@@ -103,6 +102,31 @@ using ConfigLarge = Config<128, 256, 64, true, 2>;
 // 4: 128 x 128 x 64 cooperative with the stream-K scheduler: M where whole tiles leave much
 //    of the last wave idle (e.g. 6144 x 4096 at M = 384: 144 tiles on 132 SMs).
 using ConfigStreamK = Config<128, 128, 64, true, 1, cutlass::gemm::StreamKScheduler>;
+// 5-7: 64 weight rows x 160 / 192 / 224 tokens x 128, ping-pong; 8-10: 128 x 160 / 192 /
+//    224 x 64 cooperative, cluster 2x1.  Token tiles sized to M between the multiples of
+//    128: the kernel keeps up with cuBLAS where its tiles fill whole waves (4096 x 4096 at
+//    M = 256 and 512), and at M = 320 a 160-token tile fills the wave that 128- and
+//    256-token tiles miss (cuBLAS runs 80-token tiles there).  (Also measured, session 11:
+//    64 x 256 x 128, never faster than config 2; the ping-pong widths with a 2x1 cluster
+//    multicasting x, within +-1% of these at the median.)
+template <int TN>
+using ConfigWideK128 = Config<64, TN, 128, false>;
+template <int TN>
+using ConfigWideCoop = Config<128, TN, 64, true, 2>;
+
+// Configuration index -> type; kTokenTiles (awq_gemm_sm90.h) must list the same widths.
+template <int C> struct ConfigAt;
+template <> struct ConfigAt<0> { using type = ConfigSmall; };
+template <> struct ConfigAt<1> { using type = ConfigSmallK128; };
+template <> struct ConfigAt<2> { using type = ConfigMedium; };
+template <> struct ConfigAt<3> { using type = ConfigLarge; };
+template <> struct ConfigAt<4> { using type = ConfigStreamK; };
+template <> struct ConfigAt<5> { using type = ConfigWideK128<160>; };
+template <> struct ConfigAt<6> { using type = ConfigWideK128<192>; };
+template <> struct ConfigAt<7> { using type = ConfigWideK128<224>; };
+template <> struct ConfigAt<8> { using type = ConfigWideCoop<160>; };
+template <> struct ConfigAt<9> { using type = ConfigWideCoop<192>; };
+template <> struct ConfigAt<10> { using type = ConfigWideCoop<224>; };
 
 template <class T, class Cfg>
 struct AwqGemm {
@@ -216,21 +240,28 @@ cudaError_t prepare_zeros(const uint32_t* qzeros, const void* scales, void* zero
   return cudaGetLastError();
 }
 
-cudaError_t prepare_zeros_bf16(const uint32_t* qzeros, const void* scales, void* zeros_out, int groups, int N,
-                               cudaStream_t stream);
-
-template <class T>
-int dispatch(const GemmParams& p) {
-  const int cfg = p.config >= 0 ? p.config
-                                : choose_config(p.M, p.N, p.K, p.group_size, quantfuse::sm_count(p.device, 0));
-  switch (cfg) {
-    case 0: return AwqGemm<T, ConfigSmall>::run(p);
-    case 1: return AwqGemm<T, ConfigSmallK128>::run(p);
-    case 2: return AwqGemm<T, ConfigMedium>::run(p);
-    case 3: return AwqGemm<T, ConfigLarge>::run(p);
-    case 4: return AwqGemm<T, ConfigStreamK>::run(p);
-    default: return kUnsupported;
-  }
+// One configuration's kernel for one dtype.  Each is instantiated in its own translation
+// unit (awq_gemm_sm90_tiles_c<C>.cu) so that a parallel build compiles them side by side;
+// the extern declarations below keep every other file from instantiating them again.
+template <class T, int C>
+int run_config(const GemmParams& p) {
+  static_assert(ConfigAt<C>::type::kTileN == kTokenTiles[C], "kTokenTiles and ConfigAt disagree");
+  return AwqGemm<T, typename ConfigAt<C>::type>::run(p);
 }
+
+#define QF_AWQ_SM90_EXTERN(C)                                                   \
+  extern template int run_config<cutlass::half_t, C>(const GemmParams&);       \
+  extern template int run_config<cutlass::bfloat16_t, C>(const GemmParams&);
+QF_AWQ_SM90_EXTERN(0) QF_AWQ_SM90_EXTERN(1) QF_AWQ_SM90_EXTERN(2) QF_AWQ_SM90_EXTERN(3)
+QF_AWQ_SM90_EXTERN(4) QF_AWQ_SM90_EXTERN(5) QF_AWQ_SM90_EXTERN(6) QF_AWQ_SM90_EXTERN(7)
+QF_AWQ_SM90_EXTERN(8) QF_AWQ_SM90_EXTERN(9) QF_AWQ_SM90_EXTERN(10)
+#undef QF_AWQ_SM90_EXTERN
+
+// Instantiates configuration C for both activation dtypes (one line per tiles file).
+#define QF_AWQ_SM90_INSTANTIATE(C)                                     \
+  namespace quantfuse::awq_sm90 {                                      \
+  template int run_config<cutlass::half_t, C>(const GemmParams&);      \
+  template int run_config<cutlass::bfloat16_t, C>(const GemmParams&);  \
+  }
 
 }  // namespace quantfuse::awq_sm90

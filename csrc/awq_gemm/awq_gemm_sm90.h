@@ -47,7 +47,7 @@ struct GemmParams {
   void* out = nullptr;           // [M, N] row-major
   int64_t M = 0, N = 0, K = 0;
   int group_size = 0;
-  int config = -1;  // -1: choose_config; 0..4 forces one (tests, benchmarks)
+  int config = -1;  // -1: choose_config; 0..kNumConfigs-1 forces one (tests, benchmarks)
   int device = 0;
   void* stream = nullptr;  // cudaStream_t
   WorkspaceAlloc alloc = nullptr;
@@ -57,11 +57,14 @@ struct GemmParams {
 // Return codes.
 enum Status : int { kOk = 0, kUnsupported = 1, kCannotImplement = 2, kInitFailed = 3, kLaunchFailed = 4 };
 
-// Tile configurations 0..4 (see awq_gemm_sm90.cuh); the one that runs by default.
-int choose_config(int64_t M, int64_t N, int64_t K, int group_size, int sm_count);
+// Tile configurations (awq_gemm_sm90.cuh: ConfigAt), and the tokens per tile of each (the
+// kernel's N tile).
+constexpr int kNumConfigs = 11;
+constexpr int kTokenTiles[kNumConfigs] = {128, 128, 256, 256, 128, 160, 192, 224, 160, 192, 224};
+constexpr int64_t token_tile(int config) { return kTokenTiles[config]; }
 
-// Tokens per tile of a configuration (the kernel's N tile): 256 for 2 and 3, else 128.
-constexpr int64_t token_tile(int config) { return config == 2 || config == 3 ? 256 : 128; }
+// The configuration that runs by default.
+int choose_config(int64_t M, int64_t N, int64_t K, int group_size, int sm_count);
 
 // The token count to run a call of M tokens at.  A token tile that reaches past the last row
 // of x is filled by TMA's out-of-bounds zero fill, and on the H100 such tiles cost far more

@@ -1,5 +1,5 @@
 // quantfuse AWQ W4A16 prefill on Hopper: tensor checks and op registration for the
-// CUTLASS mixed-input kernels (awq_gemm_sm90_*.cu).  Called from
+// CUTLASS mixed-input kernels (awq_gemm_sm90*.cu).  Called from
 // compile_backend/cuda/awq_gemm_sm90.py:
 //   _awq_prepare_sm90_cuda(qweight, scales, qzeros, group_size)
 //       -> (wq uint8 [N, K/2] in the kernel's int4 layout, scales [K/g, N] (a copy),
@@ -122,7 +122,8 @@ at::Tensor awq_gemm_sm90_cuda(const at::Tensor& x, const at::Tensor& wq, const a
   }
   QF_CHECK(M * K < (int64_t(1) << 31) && M * N < (int64_t(1) << 31),
               "quantfuse awq_sm90: sizes too large for 32-bit indexing");
-  QF_CHECK(config >= -1 && config <= 4, "quantfuse awq_sm90: config must be -1 (auto) or 0..4");
+  QF_CHECK(config >= -1 && config < qa::kNumConfigs, "quantfuse awq_sm90: config must be -1 (auto) or 0..%d",
+           qa::kNumConfigs - 1);
   const c10::cuda::CUDAGuard guard(x.device());
   if (M == 0 || N == 0) return at::empty({M, N}, x.options());
   // The configuration is fixed before padding, so a padded call runs the tiles M would.
@@ -163,7 +164,8 @@ int64_t awq_sm90_config(int64_t M, int64_t N, int64_t K, int64_t group_size, int
 
 // The token count a call of M tokens runs at under a configuration (x zero-padded above M).
 int64_t awq_sm90_rows(int64_t M, int64_t config) {
-  QF_CHECK(M >= 0 && config >= 0 && config <= 4, "quantfuse awq_sm90: need M >= 0 and config in 0..4");
+  QF_CHECK(M >= 0 && config >= 0 && config < qa::kNumConfigs, "quantfuse awq_sm90: need M >= 0 and config in 0..%d",
+           qa::kNumConfigs - 1);
   return quantfuse::awq_sm90::padded_tokens(M, (int)config);
 }
 

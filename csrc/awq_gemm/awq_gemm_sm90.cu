@@ -1,0 +1,127 @@
+// AWQ W4A16 prefill GEMM on Hopper (see awq_gemm_sm90.cuh): the int4 weight and zero
+// preparation, the choice of tile configuration, and the dispatch to the configurations'
+// kernels (instantiated in awq_gemm_sm90_tiles_c<C>.cu).
+#include "awq_gemm/awq_gemm_sm90.cuh"
+
+namespace quantfuse::awq_sm90 {
+
+namespace {
+
+// One thread per packed int32 of qweight [K, N/8]: its 8 values q[k, 8c..8c+7], one byte
+// each, to their place in the prepared layout (tmp, one byte per value).
+template <class LayoutQ>
+__global__ void scatter_kernel(const uint32_t* __restrict__ qweight, uint8_t* __restrict__ tmp, int K, int N,
+                               LayoutQ layout) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int C = N / 8;
+  if (i >= int64_t(K) * C) return;
+  const int k = static_cast<int>(i / C), c = static_cast<int>(i % C);
+  const uint32_t w = qweight[i];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    tmp[layout(8 * c + j, k, 0)] = static_cast<uint8_t>((w >> (4 * awq_nibble(j))) & 0xFu);
+  }
+}
+
+// Two values per byte, element 2i in the low nibble (CUTLASS's sub-byte order).
+__global__ void pack_kernel(const uint8_t* __restrict__ tmp, uint8_t* __restrict__ out, int64_t nbytes) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= nbytes) return;
+  out[i] = static_cast<uint8_t>((tmp[2 * i] & 0xF) | (tmp[2 * i + 1] << 4));
+}
+
+}  // namespace
+
+cudaError_t launch_prepare_weight(const uint32_t* qweight, uint8_t* tmp, uint8_t* out, int K, int N,
+                                  cudaStream_t stream) {
+  const int64_t words = int64_t(K) * (N / 8);
+  if (words == 0) return cudaSuccess;
+  const int threads = 256;
+  const unsigned blocks = static_cast<unsigned>((words + threads - 1) / threads);
+  scatter_kernel<<<blocks, threads, 0, stream>>>(qweight, tmp, K, N, make_layout_q_reordered(N, K));
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  const int64_t nbytes = int64_t(N) * K / 2;
+  pack_kernel<<<static_cast<unsigned>((nbytes + threads - 1) / threads), threads, 0, stream>>>(tmp, out, nbytes);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_prepare_zeros(DType dtype, const uint32_t* qzeros, const void* scales, void* zeros_out, int groups,
+                                 int N, cudaStream_t stream) {
+  if (dtype == DType::kHalf) return prepare_zeros<cutlass::half_t>(qzeros, scales, zeros_out, groups, N, stream);
+  return prepare_zeros<cutlass::bfloat16_t>(qzeros, scales, zeros_out, groups, N, stream);
+}
+
+// A wave cost model: a persistent kernel's time ~ (waves of tiles over the SMs) x (time of
+// one wave of that tile), per-wave times measured on an H100 at K = 4096 (µs, fp16, group
+// 128; each configuration's time scales alike with K).  Two regimes, each fitted where it
+// was measured:
+// * M < 1024 (benchmarks/probe/awq_sm90_widths_2026-11-25.txt: every configuration forced
+//   at M = 128..1024 on the four Llama shapes, two runs): all configurations.  Config 4
+//   (stream-K) spreads the K loop of the tiles over all SMs: fractional waves plus a fixed
+//   cost for the partial-tile reduction (which does not grow with K).  The choice is within
+//   5% of the fastest configuration at 51 of the 60 points (geometric mean 1.5% slower).
+// * M >= 1024: configurations 0-3 (M = 128..8192 in session 5: the measured-fastest at 23 of
+//   24 points); the wider token tiles were not measured there.
+namespace {
+constexpr int64_t kBandMaxM = 1024;
+struct TileCost {
+  int rows, tokens;
+  bool k128;         // needs K % 128 == 0 and group_size % 128 == 0 (or per-channel)
+  double band_us;    // per-wave time for M < kBandMaxM
+  double large_us;   // per-wave time for M >= kBandMaxM; 0: not used there
+};
+constexpr int kStreamK = 4;
+constexpr double kStreamKFixupUs = 10.0;
+constexpr TileCost kCosts[kNumConfigs] = {
+    {64, 128, false, 19.0, 22.0}, {64, 128, true, 15.9, 19.0},  {64, 256, false, 24.3, 26.5},
+    {128, 256, false, 44.7, 47.0}, {128, 128, false, 32.1, 0.0}, {64, 160, true, 19.4, 0.0},
+    {64, 192, true, 19.9, 0.0},   {64, 224, true, 24.1, 0.0},   {128, 160, false, 31.4, 0.0},
+    {128, 192, false, 31.7, 0.0}, {128, 224, false, 42.2, 0.0},
+};
+}  // namespace
+
+int choose_config(int64_t M, int64_t N, int64_t K, int group_size, int sm_count) {
+  const int64_t sms = sm_count > 0 ? sm_count : 132;
+  const bool k128_ok = K % 128 == 0 && (group_size == K || group_size % 128 == 0);
+  const bool band = M < kBandMaxM;
+  int best = 0;
+  double best_cost = -1.0;
+  for (int c = 0; c < kNumConfigs; ++c) {
+    const TileCost& t = kCosts[c];
+    const double wave_us = band ? t.band_us : t.large_us;
+    if (wave_us <= 0.0 || (t.k128 && !k128_ok)) continue;
+    const int64_t tiles = ((N + t.rows - 1) / t.rows) * ((M + t.tokens - 1) / t.tokens);
+    const double waves = c == kStreamK ? double(tiles) / double(sms) : double((tiles + sms - 1) / sms);
+    const double cost = waves * wave_us * double(K) / 4096.0 + (c == kStreamK ? kStreamKFixupUs : 0.0);
+    if (best_cost < 0.0 || cost < best_cost) best = c, best_cost = cost;
+  }
+  return best;
+}
+
+namespace {
+template <class T>
+int dispatch(const GemmParams& p) {
+  const int cfg = p.config >= 0 ? p.config
+                                : choose_config(p.M, p.N, p.K, p.group_size, quantfuse::sm_count(p.device, 0));
+  switch (cfg) {
+    case 0: return run_config<T, 0>(p);
+    case 1: return run_config<T, 1>(p);
+    case 2: return run_config<T, 2>(p);
+    case 3: return run_config<T, 3>(p);
+    case 4: return run_config<T, 4>(p);
+    case 5: return run_config<T, 5>(p);
+    case 6: return run_config<T, 6>(p);
+    case 7: return run_config<T, 7>(p);
+    case 8: return run_config<T, 8>(p);
+    case 9: return run_config<T, 9>(p);
+    case 10: return run_config<T, 10>(p);
+    default: return kUnsupported;
+  }
+}
+}  // namespace
+
+int gemm_f16(const GemmParams& p) { return dispatch<cutlass::half_t>(p); }
+int gemm_bf16(const GemmParams& p) { return dispatch<cutlass::bfloat16_t>(p); }
+
+}  // namespace quantfuse::awq_sm90
