@@ -171,7 +171,8 @@ def main():
 
 
 def sanitize():
-    """Small calls of the repack, dequantize, fused (split-K and not) and large-M paths."""
+    """Small calls of the repack, dequantize, fused (split-K and not) and large-M paths, and
+    on Hopper every SM90 tile configuration."""
     gen = torch.Generator(device=DEV).manual_seed(1)
     worst = 0.0
     for dtype in (torch.float16, torch.bfloat16):
@@ -187,6 +188,20 @@ def sanitize():
                 b = torch.randn((N,), generator=gen, device=DEV).to(dtype)
                 out = torch.ops.quantfuse.awq_gemm(x, qw, s, qz, g, b).float()
                 ref = x.float() @ dense.float() + b.float()
+                worst = max(worst, (torch.linalg.norm(out - ref) / torch.linalg.norm(ref)).item())
+        if torch.cuda.get_device_capability() == (9, 0):
+            # every SM90 tile configuration, forced (N = 384: an odd number of 128-row tiles)
+            from compile_backend.cuda import awq_gemm_sm90 as sm90
+            N, K, g = 384, 512, 128
+            q = torch.randint(0, 16, (K, N), generator=gen, device=DEV, dtype=torch.int32)
+            z = torch.randint(0, 16, (K // g, N), generator=gen, device=DEV, dtype=torch.int32)
+            s = (torch.rand((K // g, N), generator=gen, device=DEV) * 1e-2 + 1e-3).to(dtype)
+            qw, qz = awq_pack(q), awq_pack(z)
+            dense = torch.ops.quantfuse.awq_dequantize(qw, s, qz, g)
+            x = torch.randn((300, K), generator=gen, device=DEV).to(dtype)
+            for config in range(sm90.NUM_CONFIGS):
+                out = sm90.launch_prefill(x, qw, s, qz, g, None, config=config).float()
+                ref = x.float() @ dense.float()
                 worst = max(worst, (torch.linalg.norm(out - ref) / torch.linalg.norm(ref)).item())
     torch.cuda.synchronize()
     print(f"sanitize run done; worst relative error {worst:.3g}")

@@ -26,6 +26,7 @@ import torch
 
 from ..tensor_cache import TensorCache
 
+NUM_CONFIGS = 11  # tile configurations 0..10 (csrc: kNumConfigs, kTokenTiles)
 TILE_K = 64  # K % 64 == 0; group_size % 64 == 0 or group_size == K (csrc: kTileK)
 ALIGN_N = 128  # N % 128 == 0 (csrc: kAlignN)
 
