@@ -143,8 +143,8 @@ def test_token_padding_rule():
 
 @needs_sm90
 def test_config_choice():
-    """The wave cost model (awq_gemm_sm90.cu: choose_config): below 1024 tokens the token
-    tile is sized to M, the 128-deep K tiles only where the group size allows them, and
+    """The wave cost model (awq_gemm_sm90.cu: choose_config): between 128 and 1024 tokens
+    the token tile is sized to M, the 128-deep K tiles only where the group size allows them, and
     stream-K where a long K loop has few tiles; from 1024 tokens configs 0-3 only."""
     choose = torch.ops.quantfuse._awq_sm90_config
     tokens = torch.ops.quantfuse._awq_sm90_rows
@@ -154,6 +154,8 @@ def test_config_choice():
     assert choose(320, 4096, 4096, 64, 132) not in (1, 5, 6, 7)  # group 64: no 128-deep K tiles
     assert choose(128, 4096, 14336, 128, 132) == 4
     assert choose(128, 4096, 4096, 128, 132) == 1
+    # at most 128 tokens: 128-token tiles only (a wider tile would be padding)
+    assert all(tokens(1, choose(m, n, 4096, 128, 132)) == 128 for m in (33, 64, 128) for n in (4096, 6144, 28672))
     assert all(choose(m, n, 4096, 128, 132) <= 3 for m in (1024, 2048, 4096, 8192) for n in (4096, 6144, 28672))
     assert choose(4096, 28672, 4096, 128, 132) == 3
 

@@ -59,8 +59,11 @@ cudaError_t launch_prepare_zeros(DType dtype, const uint32_t* qzeros, const void
 // * M < 1024 (benchmarks/probe/awq_sm90_widths_2026-11-25.txt: every configuration forced
 //   at M = 128..1024 on the four Llama shapes, two runs): all configurations.  Config 4
 //   (stream-K) spreads the K loop of the tiles over all SMs: fractional waves plus a fixed
-//   cost for the partial-tile reduction (which does not grow with K).  The choice is within
-//   5% of the fastest configuration at 51 of the 60 points (geometric mean 1.5% slower).
+//   cost for the partial-tile reduction (which does not grow with K).  Token tiles wider
+//   than 128 only above 128 tokens (below, one 128-token tile covers M and a wider one only
+//   adds padding: 28672 x 4096 at M = 48-128 took 66-70 µs with 128 x 160 tiles against
+//   61-62 with 64 x 128).  The choice is within 5% of the fastest configuration at 51 of the
+//   60 points (geometric mean 1.4% slower, at most 13%).
 // * M >= 1024: configurations 0-3 (M = 128..8192 in session 5: the measured-fastest at 23 of
 //   24 points); the wider token tiles were not measured there.
 namespace {
@@ -90,7 +93,7 @@ int choose_config(int64_t M, int64_t N, int64_t K, int group_size, int sm_count)
   for (int c = 0; c < kNumConfigs; ++c) {
     const TileCost& t = kCosts[c];
     const double wave_us = band ? t.band_us : t.large_us;
-    if (wave_us <= 0.0 || (t.k128 && !k128_ok)) continue;
+    if (wave_us <= 0.0 || (t.k128 && !k128_ok) || (M <= 128 && t.tokens > 128)) continue;
     const int64_t tiles = ((N + t.rows - 1) / t.rows) * ((M + t.tokens - 1) / t.tokens);
     const double waves = c == kStreamK ? double(tiles) / double(sms) : double((tiles + sms - 1) / sms);
     const double cost = waves * wave_us * double(K) / 4096.0 + (c == kStreamK ? kStreamKFixupUs : 0.0);
