@@ -6,10 +6,12 @@ One line per (shape, M): the op's own choice ("auto"), each configuration forced
 ``launch_prefill(config=c)``, and fp16 cuBLAS on a dense weight, in µs (median of rotating
 CUDA-graph replays, benchmarks/timing.py).  fp16, group 128, bench_awq.py's shapes and
 input sets.  ``--repeats`` times every row that many times, interleaved (the spread between
-repeats is the noise).  The last line per configuration is its fitted time per wave
-(median over the rows of time / waves of its tiles, at K = 4096), what ``choose_config``
-(csrc/awq_gemm/awq_gemm_sm90.cu) takes.  Outputs: benchmarks/probe/awq_sm90_streamk_2026-11-24.txt
-(session 10, configs 0-4), benchmarks/probe/awq_sm90_widths_2026-11-25.txt (session 11).
+repeats is the noise).  The last lines give each configuration's time per wave (median over
+the rows of time / whole waves of its tiles, at K = 4096): the starting point of the per-wave
+times in ``choose_config`` (csrc/awq_gemm/awq_gemm_sm90.cu; session 11 adjusted them to the
+choices that minimise the time over both runs, and counts stream-K's waves as fractional).
+Outputs: benchmarks/probe/awq_sm90_streamk_2026-11-24.txt (session 10, configs 0-4),
+benchmarks/probe/awq_sm90_widths_2026-11-25.txt (session 11).
 """
 
 from __future__ import annotations
