@@ -143,9 +143,9 @@ def test_token_padding_rule():
 
 @needs_sm90
 def test_config_choice():
-    """The wave cost model (awq_gemm_sm90.cu: choose_config): between 128 and 1024 tokens
-    the token tile is sized to M, the 128-deep K tiles only where the group size allows them, and
-    stream-K where a long K loop has few tiles; from 1024 tokens configs 0-3 only."""
+    """The wave cost model (awq_gemm_sm90.cu: choose_config): above 128 tokens the token
+    tile is sized to M, the 128-deep K tiles only where the group size allows them, and
+    stream-K where a long K loop has few tiles."""
     choose = torch.ops.quantfuse._awq_sm90_config
     tokens = torch.ops.quantfuse._awq_sm90_rows
     # 4096 x 4096: 160-, 192- and 224-token tiles at M = 320, 384, 448 (128 tiles: one wave)
@@ -156,7 +156,9 @@ def test_config_choice():
     assert choose(128, 4096, 4096, 128, 132) == 1
     # at most 128 tokens: 128-token tiles only (a wider tile would be padding)
     assert all(tokens(1, choose(m, n, 4096, 128, 132)) == 128 for m in (33, 64, 128) for n in (4096, 6144, 28672))
-    assert all(choose(m, n, 4096, 128, 132) <= 3 for m in (1024, 2048, 4096, 8192) for n in (4096, 6144, 28672))
+    # 4096 x 14336 at M = 1152: 64 x 192 tiles (2.9 waves) rather than 128 x 256 (160 tiles, 1.2 waves)
+    assert choose(1152, 4096, 14336, 128, 132) == 6
+    assert all(choose(8192, n, 4096, 128, 132) == 3 for n in (4096, 6144, 28672))
     assert choose(4096, 28672, 4096, 128, 132) == 3
 
 
