@@ -8,7 +8,7 @@ CUDA-graph replays, benchmarks/timing.py).  fp16, group 128, bench_awq.py's shap
 input sets.  ``--repeats`` times every row that many times, interleaved (the spread between
 repeats is the noise).  The last lines give each configuration's time per wave (median over
 the rows of time / whole waves of its tiles, at K = 4096): the starting point of the per-wave
-times in ``choose_config`` (csrc/awq_gemm/awq_gemm_sm90.cu; session 11 adjusted them to the
+times in ``choose_config`` (csrc/awq_gemm/awq_gemm_sm90_choice.h; session 11 adjusted them to the
 choices that minimise the time over both runs, and counts stream-K's waves as fractional).
 Outputs: benchmarks/probe/awq_sm90_streamk_2026-11-24.txt (session 10, configs 0-4),
 benchmarks/probe/awq_sm90_widths_2026-11-25.txt (session 11).

@@ -143,13 +143,14 @@ def test_token_padding_rule():
 
 @needs_sm90
 def test_config_choice():
-    """The wave cost model (awq_gemm_sm90.cu: choose_config): above 128 tokens the token
+    """The wave cost model (awq_gemm_sm90_choice.h: choose_config; tests/test_awq_sm90_choice.py
+    checks it on the CPU) as the op exposes it: above 128 tokens the token
     tile is sized to M, the 128-deep K tiles only where the group size allows them, and
     stream-K where a long K loop has few tiles."""
     choose = torch.ops.quantfuse._awq_sm90_config
     tokens = torch.ops.quantfuse._awq_sm90_rows
     # 4096 x 4096: 160-, 192- and 224-token tiles at M = 320, 384, 448 (128 tiles: one wave)
-    assert [choose(m, 4096, 4096, 128, 132) for m in (320, 384, 448, 768)] == [5, 6, 7, 9]
+    assert [choose(m, 4096, 4096, 128, 132) for m in (320, 384, 448, 640, 768)] == [5, 6, 7, 8, 9]
     assert [tokens(m, choose(m, 4096, 4096, 128, 132)) for m in (320, 384, 448)] == [320, 384, 448]
     assert choose(320, 4096, 4096, 64, 132) not in (1, 5, 6, 7)  # group 64: no 128-deep K tiles
     assert choose(128, 4096, 14336, 128, 132) == 4

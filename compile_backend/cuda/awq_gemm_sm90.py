@@ -15,11 +15,11 @@ operand is the register-sourced one.
   allocated then belongs to the graph's pool).
 
 Which M to send here is the caller's choice; the tile configuration (token tiles of 128 to
-256, sized to M below 1024 tokens) is the kernel's (csrc/awq_gemm/awq_gemm_sm90.cu:
-choose_config).  Measured on an H100 (fp16, group 128, M 128 to 4096 on the Llama shapes;
-benchmarks/RESULTS.md, session 11): faster than dequantize + cuBLAS at every M (1.13-3.2x), and
-0.85-1.45x fp16 cuBLAS on the dequantized weight; below 1.0x at some points between 256 and 1024
-tokens (M = 320, 512, 640), where the mixed-input mainloop's conversion work shows.
+256, sized to M) is the kernel's (csrc/awq_gemm/awq_gemm_sm90_choice.h: choose_config).
+Measured on an H100 (fp16, group 128, M 128 to 4096 on the Llama shapes; benchmarks/RESULTS.md,
+session 11): faster than dequantize + cuBLAS at every M, and mostly within 0.85-1.45x fp16 cuBLAS
+on the dequantized weight; below 1.0x at some points, where the mixed-input mainloop's
+conversion work shows.
 """
 
 from __future__ import annotations

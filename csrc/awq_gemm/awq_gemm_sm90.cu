@@ -52,49 +52,6 @@ cudaError_t launch_prepare_zeros(DType dtype, const uint32_t* qzeros, const void
   return prepare_zeros<cutlass::bfloat16_t>(qzeros, scales, zeros_out, groups, N, stream);
 }
 
-// A wave cost model: a persistent kernel's time ~ (waves of tiles over the SMs) x (time of
-// one wave of that tile), per-wave times measured on an H100 at K = 4096 (µs, fp16, group
-// 128; each configuration's time scales alike with K).  Config 4 (stream-K) spreads the K
-// loop of the tiles over all SMs: fractional waves plus a fixed cost for the partial-tile
-// reduction (which does not grow with K).  Token tiles wider than 128 only above 128 tokens
-// (below, one 128-token tile covers M and a wider one only adds padding: 28672 x 4096 at
-// M = 48-128 took 66-70 µs with 128 x 160 tiles against 61-62 with 64 x 128).
-// Fitted to every configuration forced at M = 128..4096 on the four Llama shapes
-// (benchmarks/probe/awq_sm90_widths_2026-11-25.txt, three runs): the choice is within 5% of
-// the fastest configuration at 82 of the 92 points, 1.2% slower on geometric mean and at
-// most 16%.  (With configs 0-3 alone above 1024 tokens, as before session 11, M = 1152 on
-// 4096 x 14336 ran at 0.55x cuBLAS: 160 tiles of 128 x 256 on 132 SMs.)
-namespace {
-struct TileCost {
-  int rows, tokens;
-  bool k128;       // needs K % 128 == 0 and group_size % 128 == 0 (or per-channel)
-  double wave_us;  // time of one wave of tiles at K = 4096
-};
-constexpr int kStreamK = 4;
-constexpr double kStreamKFixupUs = 10.0;
-constexpr TileCost kCosts[kNumConfigs] = {
-    {64, 128, false, 19.0},  {64, 128, true, 16.4},   {64, 256, false, 25.5}, {128, 256, false, 42.5},
-    {128, 128, false, 32.1}, {64, 160, true, 19.4},   {64, 192, true, 19.9},  {64, 224, true, 24.8},
-    {128, 160, false, 33.8}, {128, 192, false, 32.7}, {128, 224, false, 42.2},
-};
-}  // namespace
-
-int choose_config(int64_t M, int64_t N, int64_t K, int group_size, int sm_count) {
-  const int64_t sms = sm_count > 0 ? sm_count : 132;
-  const bool k128_ok = K % 128 == 0 && (group_size == K || group_size % 128 == 0);
-  int best = 0;
-  double best_cost = -1.0;
-  for (int c = 0; c < kNumConfigs; ++c) {
-    const TileCost& t = kCosts[c];
-    if ((t.k128 && !k128_ok) || (M <= 128 && t.tokens > 128)) continue;
-    const int64_t tiles = ((N + t.rows - 1) / t.rows) * ((M + t.tokens - 1) / t.tokens);
-    const double waves = c == kStreamK ? double(tiles) / double(sms) : double((tiles + sms - 1) / sms);
-    const double cost = waves * t.wave_us * double(K) / 4096.0 + (c == kStreamK ? kStreamKFixupUs : 0.0);
-    if (best_cost < 0.0 || cost < best_cost) best = c, best_cost = cost;
-  }
-  return best;
-}
-
 namespace {
 template <class T>
 int dispatch(const GemmParams& p) {

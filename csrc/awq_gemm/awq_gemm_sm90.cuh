@@ -82,12 +82,13 @@ struct Config {
                                             cutlass::gemm::KernelTmaWarpSpecializedPingpong>;
   using EpiSchedule = std::conditional_t<Coop, cutlass::epilogue::TmaWarpSpecializedCooperative,
                                          cutlass::epilogue::TmaWarpSpecialized>;
+  static constexpr int kTileM = TM;
   static constexpr int kTileN = TN;
   static constexpr int kTileK = TK;
 };
 
 // Measured on an H100 (fp16, group 128, the four Llama shapes, M 128..8192): chosen by
-// choose_config (awq_gemm_sm90.cu), a wave cost model over the configurations below.
+// choose_config (awq_gemm_sm90.h), a wave cost model over the configurations below.
 // 0: 64 weight rows x 128 tokens x 64, ping-pong: small M, any group size.
 using ConfigSmall = Config<64, 128, 64, false>;
 // 1: same with 128-deep K tiles (half the barrier round trips per K): ~10% faster at
@@ -114,7 +115,7 @@ using ConfigWideK128 = Config<64, TN, 128, false>;
 template <int TN>
 using ConfigWideCoop = Config<128, TN, 64, true, 2>;
 
-// Configuration index -> type; kTokenTiles (awq_gemm_sm90.h) must list the same widths.
+// Configuration index -> type; kCosts (awq_gemm_sm90.h) lists the same tiles.
 template <int C> struct ConfigAt;
 template <> struct ConfigAt<0> { using type = ConfigSmall; };
 template <> struct ConfigAt<1> { using type = ConfigSmallK128; };
@@ -245,7 +246,8 @@ cudaError_t prepare_zeros(const uint32_t* qzeros, const void* scales, void* zero
 // the extern declarations below keep every other file from instantiating them again.
 template <class T, int C>
 int run_config(const GemmParams& p) {
-  static_assert(ConfigAt<C>::type::kTileN == kTokenTiles[C], "kTokenTiles and ConfigAt disagree");
+  static_assert(ConfigAt<C>::type::kTileN == kCosts[C].tokens && ConfigAt<C>::type::kTileM == kCosts[C].rows,
+                "kCosts (awq_gemm_sm90.h) and ConfigAt disagree");
   return AwqGemm<T, typename ConfigAt<C>::type>::run(p);
 }
 

@@ -1,6 +1,6 @@
 // quantfuse AWQ W4A16 prefill GEMM for Hopper (sm_90a): plain C++ interface.
 //
-// No torch and no CUTLASS headers here: awq_gemm_sm90_{f16,bf16}.cu implement these with
+// No torch and no CUTLASS headers here: awq_gemm_sm90.cu and awq_gemm_sm90_tiles_c<C>.cu implement these with
 // CUDA + CUTLASS only, awq_gemm_sm90_ops.cpp checks tensors and calls them.
 //
 // The kernel is CUTLASS 3.x's mixed-input warp-specialized GEMM (TMA + wgmma, the int4
@@ -14,6 +14,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <cuda_runtime.h>
+
+#include "awq_gemm/awq_gemm_sm90_choice.h"
 
 namespace quantfuse {
 namespace awq_sm90 {
@@ -56,28 +58,6 @@ struct GemmParams {
 
 // Return codes.
 enum Status : int { kOk = 0, kUnsupported = 1, kCannotImplement = 2, kInitFailed = 3, kLaunchFailed = 4 };
-
-// Tile configurations (awq_gemm_sm90.cuh: ConfigAt), and the tokens per tile of each (the
-// kernel's N tile).
-constexpr int kNumConfigs = 11;
-constexpr int kTokenTiles[kNumConfigs] = {128, 128, 256, 256, 128, 160, 192, 224, 160, 192, 224};
-constexpr int64_t token_tile(int config) { return kTokenTiles[config]; }
-
-// The configuration that runs by default.
-int choose_config(int64_t M, int64_t N, int64_t K, int group_size, int sm_count);
-
-// The token count to run a call of M tokens at.  A token tile that reaches past the last row
-// of x is filled by TMA's out-of-bounds zero fill, and on the H100 such tiles cost far more
-// than full ones: 28672 x 4096 took 113 us at M = 33 and 65 at M = 128 (config 1), and
-// 351 us at M = 300 against 162 with x padded to 512 rows (config 2).  So when at least 45%
-// of the last tile would be past the end, the op copies x into a zero-padded buffer of whole
-// tiles and returns the first M rows of the result.  Below that fraction the copy measured
-// slower than the zero fill (M = 200 and 1000; benchmarks/notes_awq.md, session 9).
-constexpr int64_t padded_tokens(int64_t M, int config) {
-  const int64_t tile = token_tile(config);
-  const int64_t whole = (M + tile - 1) / tile * tile;
-  return (whole - M) * 100 >= tile * 45 ? whole : M;
-}
 
 int gemm_f16(const GemmParams& p);
 int gemm_bf16(const GemmParams& p);

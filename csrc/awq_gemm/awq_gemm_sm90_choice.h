@@ -1,0 +1,79 @@
+// AWQ W4A16 prefill on Hopper: the tile configurations' shapes, the choice of one for a call,
+// and the token padding.  Plain C++ (no CUDA, no torch, no CUTLASS), so that
+// tests/test_awq_sm90_choice.py compiles and checks it on a CPU.
+#pragma once
+
+#include <cstdint>
+
+namespace quantfuse {
+namespace awq_sm90 {
+
+// Tile configurations (awq_gemm_sm90.cuh: ConfigAt lists the same tiles) and the wave cost
+// model that chooses one.  A persistent kernel's time ~ (waves of tiles over the SMs) x
+// (time of one wave of that tile); per-wave times measured on an H100 at K = 4096 (µs, fp16,
+// group 128; each configuration's time scales alike with K).
+// * Config 4 (stream-K) spreads the K loop of the tiles over all SMs: fractional waves plus a
+//   fixed cost for the partial-tile reduction, which does not grow with K.
+// * A token tile reaching past M (zero-filled by TMA, or padded) costs (1 + 0.375 x the
+//   wasted fraction of M): such tiles run slower than full ones.
+// * Token tiles wider than 128 only above 128 tokens: below, one 128-token tile covers M and
+//   a wider one only adds padding (28672 x 4096 at M = 48-128 took 66-70 µs with 128 x 160
+//   tiles against 61-62 with 64 x 128).
+// Fitted to every configuration forced at M = 128..4096 on the four Llama shapes
+// (benchmarks/probe/awq_sm90_widths_2026-11-25.txt, three runs).  The choice is within 5% of
+// the fastest configuration at 86 of the 92 points, 0.7% slower on geometric mean and at most
+// 10%.  Before session 11, configs 0-3 alone above 1024 tokens ran 4096 x 14336 at M = 1152 at
+// 0.55x cuBLAS (160 tiles of 128 x 256 on 132 SMs).
+struct TileCost {
+  int rows, tokens;
+  bool k128;       // needs K % 128 == 0 and group_size % 128 == 0 (or per-channel)
+  double wave_us;  // time of one wave of tiles at K = 4096
+};
+constexpr int kNumConfigs = 11;
+constexpr int kStreamK = 4;
+constexpr double kStreamKFixupUs = 10.0;
+constexpr double kWasteWeight = 0.375;
+constexpr TileCost kCosts[kNumConfigs] = {
+    {64, 128, false, 19.0},  {64, 128, true, 16.4},   {64, 256, false, 25.5}, {128, 256, false, 41.4},
+    {128, 128, false, 32.1}, {64, 160, true, 19.4},   {64, 192, true, 19.9},  {64, 224, true, 24.8},
+    {128, 160, false, 32.3}, {128, 192, false, 31.5}, {128, 224, false, 40.9},
+};
+
+// Tokens per tile of a configuration (the kernel's N tile).
+constexpr int64_t token_tile(int config) { return kCosts[config].tokens; }
+
+// The configuration that runs by default (sm_count 0: an H100's 132).
+inline int choose_config(int64_t M, int64_t N, int64_t K, int group_size, int sm_count) {
+  const int64_t sms = sm_count > 0 ? sm_count : 132;
+  const bool k128_ok = K % 128 == 0 && (group_size == K || group_size % 128 == 0);
+  int best = 0;
+  double best_cost = -1.0;
+  for (int c = 0; c < kNumConfigs; ++c) {
+    const TileCost& t = kCosts[c];
+    if ((t.k128 && !k128_ok) || (M <= 128 && t.tokens > 128)) continue;
+    const int64_t token_tiles = (M + t.tokens - 1) / t.tokens;
+    const int64_t tiles = ((N + t.rows - 1) / t.rows) * token_tiles;
+    const double waves = c == kStreamK ? double(tiles) / double(sms) : double((tiles + sms - 1) / sms);
+    const double waste = M > 0 ? double(token_tiles * t.tokens - M) / double(M) : 0.0;
+    const double cost = (waves * t.wave_us * double(K) / 4096.0 + (c == kStreamK ? kStreamKFixupUs : 0.0)) *
+                        (1.0 + kWasteWeight * waste);
+    if (best_cost < 0.0 || cost < best_cost) best = c, best_cost = cost;
+  }
+  return best;
+}
+
+// The token count to run a call of M tokens at.  A token tile that reaches past the last row
+// of x is filled by TMA's out-of-bounds zero fill, and on the H100 such tiles cost far more
+// than full ones: 28672 x 4096 took 113 us at M = 33 and 65 at M = 128 (config 1), and
+// 351 us at M = 300 against 162 with x padded to 512 rows (config 2).  So when at least 45%
+// of the last tile would be past the end, the op copies x into a zero-padded buffer of whole
+// tiles and returns the first M rows of the result.  Below that fraction the copy measured
+// slower than the zero fill (M = 200 and 1000; benchmarks/notes_awq.md, session 9).
+constexpr int64_t padded_tokens(int64_t M, int config) {
+  const int64_t tile = token_tile(config);
+  const int64_t whole = (M + tile - 1) / tile * tile;
+  return (whole - M) * 100 >= tile * 45 ? whole : M;
+}
+
+}  // namespace awq_sm90
+}  // namespace quantfuse
