@@ -109,7 +109,8 @@ using ConfigStreamK = Config<128, 128, 64, true, 1, cutlass::gemm::StreamKSchedu
 //    M = 256 and 512), and at M = 320 a 160-token tile fills the wave that 128- and
 //    256-token tiles miss (cuBLAS runs 80-token tiles there).  (Also measured, session 11:
 //    64 x 256 x 128, never faster than config 2; the ping-pong widths with a 2x1 cluster
-//    multicasting x, within +-1% of these at the median.)
+//    multicasting x: within 1.5% of these at the median for 128-192 tokens, and for 224
+//    2% faster and 8% slower at the two points where 64 x 224 is chosen.)
 template <int TN>
 using ConfigWideK128 = Config<64, TN, 128, false>;
 template <int TN>
