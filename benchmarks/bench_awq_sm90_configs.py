@@ -1,11 +1,14 @@
 """The AWQ SM90 prefill kernel's tile configurations, each forced, against fp16 cuBLAS.
 
     python benchmarks/bench_awq_sm90_configs.py [--ms 192,256,...] [--configs 0,1,...] [--repeats 2]
+                                                [--shapes 4096x14336,...] [--fresh-x]
 
 One line per (shape, M): the op's own choice ("auto"), each configuration forced through
 ``launch_prefill(config=c)``, and fp16 cuBLAS on a dense weight, in µs (median of rotating
 CUDA-graph replays, benchmarks/timing.py).  fp16, group 128, bench_awq.py's shapes and
-input sets.  ``--repeats`` times every row that many times, interleaved (the spread between
+input sets.  By default one x per M serves every weight set (x may stay in L2 between
+calls); ``--fresh-x`` gives each input set its own x, as bench_awq.py does (what a model's
+layers see).  ``--repeats`` times every row that many times, interleaved (the spread between
 repeats is the noise).  The last lines give each configuration's time per wave (median over
 the rows of time / whole waves of its tiles, at K = 4096): the starting point of the per-wave
 times in ``choose_config`` (csrc/awq_gemm/awq_gemm_sm90_choice.h; session 11 adjusted them to the
@@ -39,7 +42,10 @@ def main() -> int:
     ap.add_argument("--ms", default="192,256,320,384,448,512,640,768,1024")
     ap.add_argument("--configs", default=",".join(str(c) for c in TILES))
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--shapes", default="all", help="NxK,... (default: bench_awq's four shapes)")
+    ap.add_argument("--fresh-x", action="store_true", help="each input set its own x, as bench_awq.py")
     args = ap.parse_args()
+    shapes = SHAPES if args.shapes == "all" else [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
     configs = [int(c) for c in args.configs.split(",")]
     per_wave = {c: [] for c in configs}
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
@@ -54,17 +60,20 @@ def main() -> int:
         return 1
     gen = torch.Generator(device=DEV).manual_seed(0)
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}; fp16, group {G}, µs", flush=True)
-    for N, K in SHAPES:
+    for N, K in shapes:
         # (qweight, scales, qzeros) of bench_awq's input sets; x is made per M below
         sets = [make_set(1, N, K, gen)[1:] for _ in range(copies_for(weight_bytes(N, K)))]
         dense = [torch.randn(N, K, device=DEV).half() for _ in range(copies_for(N * K * 2))]
         for _ in range(args.repeats):
             for M in (int(m) for m in args.ms.split(",")):
-                x = torch.randn(M, K, device=DEV).half()
+                xs = [torch.randn(M, K, device=DEV).half() for _ in range(max(len(sets), len(dense)))]
+                if not args.fresh_x:
+                    xs = [xs[0]] * len(xs)
                 auto = torch.ops.quantfuse._awq_sm90_config(M, N, K, G, SMS)
-                t = {c: rotating([lambda s=s, c=c: sm90.launch_prefill(x, *s, G, None, c) for s in sets])
+                t = {c: rotating([lambda x=x, s=s, c=c: sm90.launch_prefill(x, *s, G, None, c)
+                                  for x, s in zip(xs, sets)])
                      for c in [-1] + configs}
-                cublas = rotating([lambda w=w: x @ w.t() for w in dense])
+                cublas = rotating([lambda x=x, w=w: x @ w.t() for x, w in zip(xs, dense)])
                 best = min(configs, key=lambda c: t[c])
                 for c in configs:
                     rows, tokens = TILES[c]
