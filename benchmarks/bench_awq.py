@@ -170,6 +170,19 @@ def main():
     print(md)
 
 
+def _sanitize_weight(N, K, g, dtype, gen):
+    """Random AWQ tensors (zeros over the full range, small scales) and their dense weight."""
+    q = torch.randint(0, 16, (K, N), generator=gen, device=DEV, dtype=torch.int32)
+    z = torch.randint(0, 16, (K // g, N), generator=gen, device=DEV, dtype=torch.int32)
+    s = (torch.rand((K // g, N), generator=gen, device=DEV) * 1e-2 + 1e-3).to(dtype)
+    qw, qz = awq_pack(q), awq_pack(z)
+    return qw, s, qz, torch.ops.quantfuse.awq_dequantize(qw, s, qz, g)
+
+
+def _rel_err(out, ref) -> float:
+    return (torch.linalg.norm(out.float() - ref) / torch.linalg.norm(ref)).item()
+
+
 def sanitize():
     """Small calls of the repack, dequantize, fused (split-K and not) and large-M paths, and
     on Hopper every SM90 tile configuration."""
@@ -178,31 +191,21 @@ def sanitize():
     for dtype in (torch.float16, torch.bfloat16):
         # N = 16896: enough 64-wide strips (2 per SM on an H100) for 4-warp blocks at M = 9-16
         for (N, K, g) in ((128, 256, 32), (192, 4096, 128), (64, 64, 64), (16896, 256, 64)):
-            q = torch.randint(0, 16, (K, N), generator=gen, device=DEV, dtype=torch.int32)
-            z = torch.randint(0, 16, (K // g, N), generator=gen, device=DEV, dtype=torch.int32)
-            s = (torch.rand((K // g, N), generator=gen, device=DEV) * 1e-2 + 1e-3).to(dtype)
-            qw, qz = awq_pack(q), awq_pack(z)
-            dense = torch.ops.quantfuse.awq_dequantize(qw, s, qz, g)
+            qw, s, qz, dense = _sanitize_weight(N, K, g, dtype, gen)
             for M in (1, 5, 12, 17, 40, 100):
                 x = torch.randn((M, K), generator=gen, device=DEV).to(dtype)
                 b = torch.randn((N,), generator=gen, device=DEV).to(dtype)
-                out = torch.ops.quantfuse.awq_gemm(x, qw, s, qz, g, b).float()
-                ref = x.float() @ dense.float() + b.float()
-                worst = max(worst, (torch.linalg.norm(out - ref) / torch.linalg.norm(ref)).item())
+                out = torch.ops.quantfuse.awq_gemm(x, qw, s, qz, g, b)
+                worst = max(worst, _rel_err(out, x.float() @ dense.float() + b.float()))
         if torch.cuda.get_device_capability() == (9, 0):
             # every SM90 tile configuration, forced (N = 384: an odd number of 128-row tiles)
             from compile_backend.cuda import awq_gemm_sm90 as sm90
             N, K, g = 384, 512, 128
-            q = torch.randint(0, 16, (K, N), generator=gen, device=DEV, dtype=torch.int32)
-            z = torch.randint(0, 16, (K // g, N), generator=gen, device=DEV, dtype=torch.int32)
-            s = (torch.rand((K // g, N), generator=gen, device=DEV) * 1e-2 + 1e-3).to(dtype)
-            qw, qz = awq_pack(q), awq_pack(z)
-            dense = torch.ops.quantfuse.awq_dequantize(qw, s, qz, g)
+            qw, s, qz, dense = _sanitize_weight(N, K, g, dtype, gen)
             x = torch.randn((300, K), generator=gen, device=DEV).to(dtype)
             for config in range(sm90.NUM_CONFIGS):
-                out = sm90.launch_prefill(x, qw, s, qz, g, None, config=config).float()
-                ref = x.float() @ dense.float()
-                worst = max(worst, (torch.linalg.norm(out - ref) / torch.linalg.norm(ref)).item())
+                out = sm90.launch_prefill(x, qw, s, qz, g, None, config=config)
+                worst = max(worst, _rel_err(out, x.float() @ dense.float()))
     torch.cuda.synchronize()
     print(f"sanitize run done; worst relative error {worst:.3g}")
 

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_awq import DEV, SHAPES, G, make_set, weight_bytes  # noqa: E402
 from timing import copies_for, rotating  # noqa: E402
 
-# rows x tokens of each configuration's tile (csrc/awq_gemm/awq_gemm_sm90.h: kTokenTiles)
+# rows x tokens of each configuration's tile (csrc/awq_gemm/awq_gemm_sm90_choice.h: kCosts)
 TILES = {0: (64, 128), 1: (64, 128), 2: (64, 256), 3: (128, 256), 4: (128, 128), 5: (64, 160), 6: (64, 192),
          7: (64, 224), 8: (128, 160), 9: (128, 192), 10: (128, 224)}
 SMS = 132

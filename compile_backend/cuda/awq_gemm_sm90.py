@@ -28,7 +28,7 @@ import torch
 
 from ..tensor_cache import TensorCache
 
-NUM_CONFIGS = 11  # tile configurations 0..10 (csrc: kNumConfigs, kTokenTiles)
+NUM_CONFIGS = 11  # tile configurations 0..10 (csrc/awq_gemm/awq_gemm_sm90_choice.h: kNumConfigs)
 TILE_K = 64  # K % 64 == 0; group_size % 64 == 0 or group_size == K (csrc: kTileK)
 ALIGN_N = 128  # N % 128 == 0 (csrc: kAlignN)
 
@@ -92,8 +92,8 @@ def clear_cache() -> None:
 
 def launch_prefill(x, qweight, scales, qzeros, group_size, bias=None, config: int = -1):
     """``x @ W + bias`` through the SM90 mixed-input kernel (inputs must pass
-    ``supports_prefill``).  ``config`` >= 0 forces a tile configuration (tests, benchmarks;
-    csrc/awq_gemm/awq_gemm_sm90.h: kNumConfigs)."""
+    ``supports_prefill``).  ``config`` 0..NUM_CONFIGS-1 forces a tile configuration (tests,
+    benchmarks)."""
     M, N = x.shape[0], qweight.shape[1] * 8
     if M == 0:
         return x.new_empty((0, N))

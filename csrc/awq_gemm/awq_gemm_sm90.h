@@ -1,7 +1,8 @@
 // quantfuse AWQ W4A16 prefill GEMM for Hopper (sm_90a): plain C++ interface.
 //
-// No torch and no CUTLASS headers here: awq_gemm_sm90.cu and awq_gemm_sm90_tiles_c<C>.cu implement these with
-// CUDA + CUTLASS only, awq_gemm_sm90_ops.cpp checks tensors and calls them.
+// No torch and no CUTLASS headers here: awq_gemm_sm90.cu and awq_gemm_sm90_tiles_c<C>.cu
+// implement these with CUDA + CUTLASS only, awq_gemm_sm90_ops.cpp checks tensors and calls
+// them; awq_gemm_sm90_choice.h holds the tile configurations and the choice among them.
 //
 // The kernel is CUTLASS 3.x's mixed-input warp-specialized GEMM (TMA + wgmma, the int4
 // operand converted in registers: w = q * scale + zero) on the swapped problem
