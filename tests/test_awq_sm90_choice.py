@@ -72,12 +72,24 @@ def test_group_size_limits_128_deep_tiles(choose):
 
 
 def test_large_m(choose):
-    """Above 1024 tokens the widths still count where 128 x 256 tiles leave a wave part-empty
-    (4096 x 14336 at M = 1152: 160 such tiles on 132 SMs); from 6144 tokens 128 x 256."""
-    assert choose([(1152, 4096, 14336, 128)])[0][0] == 6
+    """Above 1024 tokens where 128 x 256 tiles leave a wave part-empty (4096 x 14336 at
+    M = 1152: 160 such tiles on 132 SMs), stream-K over 128 x 192 tiles (config 12) fills it;
+    from 6144 tokens 128 x 256 tiles, data-parallel (3) or stream-K (11)."""
+    assert choose([(1152, 4096, 14336, 128)])[0][0] == 12
     got = choose([(m, n, k, 128) for m in (6144, 8192, 16384)
                   for n, k in ((4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336))])
-    assert all(c == 3 for c, *_ in got)
+    assert all(c in (3, 11) and (rows, tokens) == (128, 256) for c, rows, tokens, _ in got)
+    assert [c for c, *_ in got[:2]] == [3, 3]
+
+
+def test_stream_k_counts_fractional_waves(choose):
+    """Stream-K configurations (4, 11, 12) are costed by fractional waves plus a fixed fixup,
+    so they win where data-parallel tiles leave the last wave mostly empty, and lose to the
+    same tile data-parallel when the waves come out whole: 4096 x 4096 at M = 4096 is 512
+    tiles of 128 x 256, 3.9 waves (config 3); 28672 x 4096 at M = 512 is 448 such tiles,
+    3.4 waves (config 11)."""
+    got = choose([(4096, 4096, 4096, 128), (512, 28672, 4096, 128), (1280, 4096, 14336, 128)])
+    assert [c for c, *_ in got] == [3, 11, 11]
 
 
 def test_padding_rule(choose):

@@ -128,7 +128,7 @@ def test_each_config(config, dtype):
 @needs_sm90
 def test_token_padding_rule():
     """x is zero-padded to whole token tiles when at least 45% of the last one would be
-    past its end (awq_gemm_sm90.h: padded_tokens), and only then."""
+    past its end (awq_gemm_sm90_choice.h: padded_tokens), and only then."""
     rows = torch.ops.quantfuse._awq_sm90_rows
     assert [rows(m, 1) for m in (1, 33, 70, 71, 100, 128, 129, 200)] == [128, 128, 128, 71, 100, 128, 256, 200]
     assert [rows(m, c) for m, c in ((129, 3), (140, 3), (141, 2), (300, 2), (1000, 3), (1024, 3))] == [
@@ -136,7 +136,7 @@ def test_token_padding_rule():
     assert [rows(m, 4) for m in (1, 70, 71, 300, 330)] == [128, 128, 71, 384, 330]
     assert [rows(m, 5) for m in (1, 88, 89, 161, 300, 320)] == [160, 160, 89, 320, 300, 320]
     assert [rows(m, 10) for m in (123, 124, 225, 448)] == [224, 124, 448, 448]
-    with pytest.raises(RuntimeError, match="config in 0..10"):
+    with pytest.raises(RuntimeError, match="config in 0..12"):
         rows(1, sm90.NUM_CONFIGS)
     assert rows(0, 0) == 0
 
@@ -157,10 +157,12 @@ def test_config_choice():
     assert choose(128, 4096, 4096, 128, 132) == 1
     # at most 128 tokens: 128-token tiles only (a wider tile would be padding)
     assert all(tokens(1, choose(m, n, 4096, 128, 132)) == 128 for m in (33, 64, 128) for n in (4096, 6144, 28672))
-    # 4096 x 14336 at M = 1152: 64 x 192 tiles (2.9 waves) rather than 128 x 256 (160 tiles, 1.2 waves)
-    assert choose(1152, 4096, 14336, 128, 132) == 6
-    assert all(choose(8192, n, 4096, 128, 132) == 3 for n in (4096, 6144, 28672))
-    assert choose(4096, 28672, 4096, 128, 132) == 3
+    # 4096 x 14336 at M = 1152: stream-K over 128 x 192 tiles rather than 128 x 256 data-parallel
+    # ones (160 tiles, 1.2 waves); configs 0-10 alone chose 64 x 192 (2.9 waves)
+    assert choose(1152, 4096, 14336, 128, 132) == 12
+    # many waves: 128 x 256 tiles, data-parallel (3) or stream-K (11)
+    assert all(choose(8192, n, 4096, 128, 132) in (3, 11) for n in (4096, 6144, 28672))
+    assert choose(4096, 4096, 4096, 128, 132) == 3
 
 
 @needs_sm90

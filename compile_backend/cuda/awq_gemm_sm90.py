@@ -28,7 +28,7 @@ import torch
 
 from ..tensor_cache import TensorCache
 
-NUM_CONFIGS = 11  # tile configurations 0..10 (csrc/awq_gemm/awq_gemm_sm90_choice.h: kNumConfigs)
+NUM_CONFIGS = 13  # tile configurations 0..12 (csrc/awq_gemm/awq_gemm_sm90_choice.h: kNumConfigs)
 TILE_K = 64  # K % 64 == 0; group_size % 64 == 0 or group_size == K (csrc: kTileK)
 ALIGN_N = 128  # N % 128 == 0 (csrc: kAlignN)
 

@@ -69,6 +69,8 @@ int dispatch(const GemmParams& p) {
     case 8: return run_config<T, 8>(p);
     case 9: return run_config<T, 9>(p);
     case 10: return run_config<T, 10>(p);
+    case 11: return run_config<T, 11>(p);
+    case 12: return run_config<T, 12>(p);
     default: return kUnsupported;
   }
 }

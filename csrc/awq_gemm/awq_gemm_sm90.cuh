@@ -88,7 +88,7 @@ struct Config {
 };
 
 // Measured on an H100 (fp16, group 128, the four Llama shapes, M 128..8192): chosen by
-// choose_config (awq_gemm_sm90.h), a wave cost model over the configurations below.
+// choose_config (awq_gemm_sm90_choice.h), a wave cost model over the configurations below.
 // 0: 64 weight rows x 128 tokens x 64, ping-pong: small M, any group size.
 using ConfigSmall = Config<64, 128, 64, false>;
 // 1: same with 128-deep K tiles (half the barrier round trips per K): ~10% faster at
@@ -115,8 +115,14 @@ template <int TN>
 using ConfigWideK128 = Config<64, TN, 128, false>;
 template <int TN>
 using ConfigWideCoop = Config<128, TN, 64, true, 2>;
+// 11, 12: 128 x 256 and 128 x 192 tiles, K 64 deep, cooperative, cluster 2x1, with the
+//    stream-K scheduler: large M where the whole tiles of configs 3 and 9 leave most of the
+//    last wave idle (4096 x 14336 at M = 1152: 160 tiles of 128 x 256 on 132 SMs, 0.81x cuBLAS
+//    at best with whole tiles in session 11; 0.95-0.97x with config 12, session 12).
+template <int TN>
+using ConfigWideStreamK = Config<128, TN, 64, true, 2, cutlass::gemm::StreamKScheduler>;
 
-// Configuration index -> type; kCosts (awq_gemm_sm90.h) lists the same tiles.
+// Configuration index -> type; kCosts (awq_gemm_sm90_choice.h) lists the same tiles.
 template <int C> struct ConfigAt;
 template <> struct ConfigAt<0> { using type = ConfigSmall; };
 template <> struct ConfigAt<1> { using type = ConfigSmallK128; };
@@ -129,6 +135,8 @@ template <> struct ConfigAt<7> { using type = ConfigWideK128<224>; };
 template <> struct ConfigAt<8> { using type = ConfigWideCoop<160>; };
 template <> struct ConfigAt<9> { using type = ConfigWideCoop<192>; };
 template <> struct ConfigAt<10> { using type = ConfigWideCoop<224>; };
+template <> struct ConfigAt<11> { using type = ConfigWideStreamK<256>; };
+template <> struct ConfigAt<12> { using type = ConfigWideStreamK<192>; };
 
 template <class T, class Cfg>
 struct AwqGemm {
@@ -247,9 +255,11 @@ cudaError_t prepare_zeros(const uint32_t* qzeros, const void* scales, void* zero
 // the extern declarations below keep every other file from instantiating them again.
 template <class T, int C>
 int run_config(const GemmParams& p) {
-  static_assert(ConfigAt<C>::type::kTileN == kCosts[C].tokens && ConfigAt<C>::type::kTileM == kCosts[C].rows,
-                "kCosts (awq_gemm_sm90.h) and ConfigAt disagree");
-  return AwqGemm<T, typename ConfigAt<C>::type>::run(p);
+  using Cfg = typename ConfigAt<C>::type;
+  static_assert(Cfg::kTileN == kCosts[C].tokens && Cfg::kTileM == kCosts[C].rows &&
+                    std::is_same_v<typename Cfg::Scheduler, cutlass::gemm::StreamKScheduler> == kCosts[C].stream_k,
+                "kCosts (awq_gemm_sm90_choice.h) and ConfigAt disagree");
+  return AwqGemm<T, Cfg>::run(p);
 }
 
 #define QF_AWQ_SM90_EXTERN(C)                                                   \
@@ -257,7 +267,8 @@ int run_config(const GemmParams& p) {
   extern template int run_config<cutlass::bfloat16_t, C>(const GemmParams&);
 QF_AWQ_SM90_EXTERN(0) QF_AWQ_SM90_EXTERN(1) QF_AWQ_SM90_EXTERN(2) QF_AWQ_SM90_EXTERN(3)
 QF_AWQ_SM90_EXTERN(4) QF_AWQ_SM90_EXTERN(5) QF_AWQ_SM90_EXTERN(6) QF_AWQ_SM90_EXTERN(7)
-QF_AWQ_SM90_EXTERN(8) QF_AWQ_SM90_EXTERN(9) QF_AWQ_SM90_EXTERN(10)
+QF_AWQ_SM90_EXTERN(8) QF_AWQ_SM90_EXTERN(9) QF_AWQ_SM90_EXTERN(10) QF_AWQ_SM90_EXTERN(11)
+QF_AWQ_SM90_EXTERN(12)
 #undef QF_AWQ_SM90_EXTERN
 
 // Instantiates configuration C for both activation dtypes (one line per tiles file).

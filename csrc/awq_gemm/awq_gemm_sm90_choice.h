@@ -12,31 +12,36 @@ namespace awq_sm90 {
 // model that chooses one.  A persistent kernel's time ~ (waves of tiles over the SMs) x
 // (time of one wave of that tile); per-wave times measured on an H100 at K = 4096 (µs, fp16,
 // group 128; each configuration's time scales alike with K).
-// * Config 4 (stream-K) spreads the K loop of the tiles over all SMs: fractional waves plus a
-//   fixed cost for the partial-tile reduction, which does not grow with K.
+// * Stream-K configurations (4: 128 x 128; 11: 128 x 256; 12: 128 x 192) spread the K loop of
+//   the tiles over all SMs: fractional waves plus a fixed cost for the partial-tile reduction,
+//   which does not grow with K.  They fill the part-empty last wave that data-parallel tiles
+//   leave (4096 x 14336 at M = 1152: 160 tiles of 128 x 256 on 132 SMs).
 // * A token tile reaching past M (zero-filled by TMA, or padded) costs (1 + 0.375 x the
 //   wasted fraction of M): such tiles run slower than full ones.
 // * Token tiles wider than 128 only above 128 tokens: below, one 128-token tile covers M and
 //   a wider one only adds padding (28672 x 4096 at M = 48-128 took 66-70 µs with 128 x 160
 //   tiles against 61-62 with 64 x 128).
-// Fitted to every configuration forced at M = 128..4096 on the four Llama shapes
-// (benchmarks/probe/awq_sm90_widths_2026-11-25.txt, three runs).  The choice is within 5% of
-// the fastest configuration at 86 of the 92 points, 0.7% slower on geometric mean and at most
-// 10%.  Before session 11, configs 0-3 alone above 1024 tokens ran 4096 x 14336 at M = 1152 at
-// 0.55x cuBLAS (160 tiles of 128 x 256 on 132 SMs).
+// Configs 0-10 fitted in session 11 to every configuration forced at M = 128..4096 on the four
+// Llama shapes (benchmarks/probe/awq_sm90_widths_2026-11-25.txt, three runs); configs 11 and
+// 12 (session 12) to all thirteen forced at M = 128..4096, two repeats, fresh x per input set
+// (benchmarks/probe/awq_sm90_streamk_wide_2026-11-25.txt).  On that sweep the choice is within
+// 5% of the fastest configuration at 64 of the 72 points, 0.9% slower summed and at most 15%
+// (28672 x 4096 at M = 320); configs 0-10 alone were 2.3% slower summed and at most 24%.
 struct TileCost {
   int rows, tokens;
-  bool k128;       // needs K % 128 == 0 and group_size % 128 == 0 (or per-channel)
-  double wave_us;  // time of one wave of tiles at K = 4096
+  bool k128;        // needs K % 128 == 0 and group_size % 128 == 0 (or per-channel)
+  bool stream_k;    // the stream-K scheduler: fractional waves plus a fixed fixup time
+  double wave_us;   // time of one wave of tiles at K = 4096
+  double fixup_us;  // stream-K's partial-tile reduction (does not grow with K)
 };
-constexpr int kNumConfigs = 11;
-constexpr int kStreamK = 4;
-constexpr double kStreamKFixupUs = 10.0;
+constexpr int kNumConfigs = 13;
 constexpr double kWasteWeight = 0.375;
 constexpr TileCost kCosts[kNumConfigs] = {
-    {64, 128, false, 19.0},  {64, 128, true, 16.4},   {64, 256, false, 25.5}, {128, 256, false, 41.4},
-    {128, 128, false, 32.1}, {64, 160, true, 19.4},   {64, 192, true, 19.9},  {64, 224, true, 24.8},
-    {128, 160, false, 32.3}, {128, 192, false, 31.5}, {128, 224, false, 40.9},
+    {64, 128, false, false, 19.0, 0.0},  {64, 128, true, false, 16.4, 0.0},   {64, 256, false, false, 25.5, 0.0},
+    {128, 256, false, false, 41.4, 0.0}, {128, 128, false, true, 32.1, 10.0}, {64, 160, true, false, 19.4, 0.0},
+    {64, 192, true, false, 19.9, 0.0},   {64, 224, true, false, 24.8, 0.0},   {128, 160, false, false, 32.3, 0.0},
+    {128, 192, false, false, 31.5, 0.0}, {128, 224, false, false, 40.9, 0.0}, {128, 256, false, true, 42.0, 15.0},
+    {128, 192, false, true, 32.5, 15.0},
 };
 
 // Tokens per tile of a configuration (the kernel's N tile).
@@ -53,9 +58,9 @@ inline int choose_config(int64_t M, int64_t N, int64_t K, int group_size, int sm
     if ((t.k128 && !k128_ok) || (M <= 128 && t.tokens > 128)) continue;
     const int64_t token_tiles = (M + t.tokens - 1) / t.tokens;
     const int64_t tiles = ((N + t.rows - 1) / t.rows) * token_tiles;
-    const double waves = c == kStreamK ? double(tiles) / double(sms) : double((tiles + sms - 1) / sms);
+    const double waves = t.stream_k ? double(tiles) / double(sms) : double((tiles + sms - 1) / sms);
     const double waste = M > 0 ? double(token_tiles * t.tokens - M) / double(M) : 0.0;
-    const double cost = (waves * t.wave_us * double(K) / 4096.0 + (c == kStreamK ? kStreamKFixupUs : 0.0)) *
+    const double cost = (waves * t.wave_us * double(K) / 4096.0 + t.fixup_us) *
                         (1.0 + kWasteWeight * waste);
     if (best_cost < 0.0 || cost < best_cost) best = c, best_cost = cost;
   }
