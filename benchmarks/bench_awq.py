@@ -198,14 +198,16 @@ def sanitize():
                 out = torch.ops.quantfuse.awq_gemm(x, qw, s, qz, g, b)
                 worst = max(worst, _rel_err(out, x.float() @ dense.float() + b.float()))
         if torch.cuda.get_device_capability() == (9, 0):
-            # every SM90 tile configuration, forced (N = 384: an odd number of 128-row tiles)
+            # every SM90 tile configuration, forced (N = 384: an odd number of 128-row tiles);
+            # K = 4096 gives the stream-K configurations K iterations to split across SMs, so
+            # their partial-tile reduction through the workspace runs too
             from compile_backend.cuda import awq_gemm_sm90 as sm90
-            N, K, g = 384, 512, 128
-            qw, s, qz, dense = _sanitize_weight(N, K, g, dtype, gen)
-            x = torch.randn((300, K), generator=gen, device=DEV).to(dtype)
-            for config in range(sm90.NUM_CONFIGS):
-                out = sm90.launch_prefill(x, qw, s, qz, g, None, config=config)
-                worst = max(worst, _rel_err(out, x.float() @ dense.float()))
+            for N, K, g in ((384, 512, 128), (384, 4096, 128)):
+                qw, s, qz, dense = _sanitize_weight(N, K, g, dtype, gen)
+                x = torch.randn((300, K), generator=gen, device=DEV).to(dtype)
+                for config in range(sm90.NUM_CONFIGS):
+                    out = sm90.launch_prefill(x, qw, s, qz, g, None, config=config)
+                    worst = max(worst, _rel_err(out, x.float() @ dense.float()))
     torch.cuda.synchronize()
     print(f"sanitize run done; worst relative error {worst:.3g}")
 
