@@ -15,10 +15,11 @@ operand is the register-sourced one.
   allocated then belongs to the graph's pool).
 
 Which M to send here is the caller's choice; the tile configuration (token tiles of 128 to
-256, sized to M) is the kernel's (csrc/awq_gemm/awq_gemm_sm90_choice.h: choose_config).
-Measured on an H100 (fp16, group 128, M 128 to 4096 on the Llama shapes; benchmarks/RESULTS.md,
-session 11): faster than dequantize + cuBLAS at every M, and mostly within 0.85-1.45x fp16 cuBLAS
-on the dequantized weight; below 1.0x at some points, where the mixed-input mainloop's
+256, sized to M; data-parallel or stream-K) is the kernel's
+(csrc/awq_gemm/awq_gemm_sm90_choice.h: choose_config).  Measured on an H100 (fp16, group 128,
+M 48 to 4096 on the Llama shapes; benchmarks/RESULTS.md, session 12): faster than dequantize +
+cuBLAS at every M, 0.72-1.59x fp16 cuBLAS on the dequantized weight, at least 0.95x at 22 of
+the 24 points from M = 1024 up; below 1.0x at some points, where the mixed-input mainloop's
 conversion work shows.
 """
 
