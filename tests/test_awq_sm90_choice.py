@@ -84,10 +84,10 @@ def test_large_m(choose):
 
 def test_stream_k_counts_fractional_waves(choose):
     """Stream-K configurations (4, 11, 12) are costed by fractional waves plus a fixed fixup,
-    so they win where data-parallel tiles leave the last wave mostly empty, and lose to the
-    same tile data-parallel when the waves come out whole: 4096 x 4096 at M = 4096 is 512
-    tiles of 128 x 256, 3.9 waves (config 3); 28672 x 4096 at M = 512 is 448 such tiles,
-    3.4 waves (config 11)."""
+    so they win where data-parallel tiles leave the last wave mostly empty and lose to the
+    same tile data-parallel when the waves come out nearly whole. 128 x 256 tiles:
+    4096 x 4096 at M = 4096 is 512 of them, 3.9 waves (config 3); 28672 x 4096 at M = 512 is
+    448, 3.4 waves (config 11); 4096 x 14336 at M = 1280 is 160, 1.2 waves (config 11)."""
     got = choose([(4096, 4096, 4096, 128), (512, 28672, 4096, 128), (1280, 4096, 14336, 128)])
     assert [c for c, *_ in got] == [3, 11, 11]
 
