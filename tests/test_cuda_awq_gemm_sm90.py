@@ -118,8 +118,8 @@ def test_llama_shapes(N, K, M, dtype, group):
 def test_each_config(config, dtype):
     """Every tile configuration at small and large M (partial tiles included), with an
     odd number of 128-row weight tiles (N = 384: the 2x1 cluster's second CTA is idle;
-    config 4: stream-K splits the K loop of some tiles over several CTAs; configs 5-10:
-    token tiles of 160-224)."""
+    configs 4, 11 and 12: stream-K splits the K loop of some tiles over several CTAs;
+    configs 5-10: token tiles of 160-224)."""
     for M in (65, 300, 1500):
         run_case(M, 1024, 2048, 128, dtype, seed=M + config, bias=True, config=config)
         run_case(M, 384, 1024, -1, dtype, seed=M + config + 7, config=config)
