@@ -26,6 +26,10 @@ AWQ_PACK = 8  # int4 values per int32
 # Logical column 8c+i sits at bits 4*AWQ_ORDER[i] of qweight[:, c].
 AWQ_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 AWQ_SHIFTS = tuple(4 * o for o in AWQ_ORDER)
+# int8 GEMMs with K below this accumulate exactly in int32: |sum| <= 128 * 128 * K < 2**31
+# needs K < 2**17.  Longer K can overflow int32 with extreme values; such shapes must
+# run an exact path (the reference accumulates them in float64), never an int32 kernel.
+INT8_EXACT_MAX_K = 2**17
 
 SCHEMAS = {
     "scaled_mm": "scaled_mm(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, "
@@ -52,10 +56,27 @@ def _fail(op: str, arg: str, t, expected: str):
     raise QuantfuseInputError(f"quantfuse.{op}: argument '{arg}' has {got}; expected {expected}")
 
 
+def _check_devices(op: str, first: str, tensors: dict) -> None:
+    """Every tensor in ``tensors`` (name -> tensor or None) on the device of ``tensors[first]``.
+
+    Strict on purpose, 1-element scales included: torch accepts a 0-dim CPU scalar
+    next to CUDA operands in element-wise ops, but a kernel handed a host pointer
+    (or a fake/meta implementation handed a mix) reads or returns garbage, and a
+    silent copy per call would hide a host-to-device transfer in every step.
+    """
+    device = tensors[first].device
+    for name, t in tensors.items():
+        if t is not None and t.device != device:
+            raise QuantfuseInputError(
+                f"quantfuse.{op}: argument '{name}' has {_describe(t)}, device {t.device}; expected "
+                f"device {device} (the device of '{first}'): all tensor arguments must be on one device")
+
+
 # --------------------------------------------------------------------------- validation
 
 
 def _check_w8a8(op, a, b, scale_a, scale_b, out_dtype, bias):
+    _check_devices(op, "a", dict(a=a, b=b, scale_a=scale_a, scale_b=scale_b, bias=bias))
     if a.dtype not in W8A8_INPUT_DTYPES:
         _fail(op, "a", a, "dtype int8 or float8_e4m3fn")
     if a.dim() != 2:
@@ -84,6 +105,7 @@ def _check_w8a8(op, a, b, scale_a, scale_b, out_dtype, bias):
 
 
 def _check_azp(op, a, b, M, N, azp_adj, azp):
+    _check_devices(op, "a", dict(a=a, azp_adj=azp_adj, azp=azp))
     if a.dtype != torch.int8:
         _fail(op, "a", a, "dtype int8 (zero points apply to int8 activations only)")
     if azp_adj.dtype != torch.int32 or azp_adj.dim() != 1 or azp_adj.shape[0] != N:
@@ -93,6 +115,8 @@ def _check_azp(op, a, b, M, N, azp_adj, azp):
 
 
 def _check_awq(op, qweight, scales, qzeros, group_size, x=None, bias=None):
+    first = "qweight" if x is None else "x"
+    _check_devices(op, first, dict(x=x, qweight=qweight, scales=scales, qzeros=qzeros, bias=bias))
     if qweight.dtype != torch.int32 or qweight.dim() != 2:
         _fail(op, "qweight", qweight, "a 2-D int32 tensor [K, N/8]")
     K, n_packed = qweight.shape
@@ -121,15 +145,42 @@ def _check_awq(op, qweight, scales, qzeros, group_size, x=None, bias=None):
 # --------------------------------------------------------------------------- reference math
 
 
+def is_blas_layout(t: torch.Tensor) -> bool:
+    """``t`` (2-D) is a plain row- or column-major matrix, possibly padded: one unit
+    stride, and the other at least the extent of the unit-stride dimension.
+
+    Anything else (a zero stride from ``expand``, overlapping rows from a sliding
+    window, a step between elements) is not: GEMMs that take a leading dimension
+    read such operands wrongly (CPU ``torch._int_mm`` returns garbage for them).
+    """
+    (rows, cols), (s0, s1) = t.shape, t.stride()
+    return (s1 == 1 and s0 >= max(1, cols)) or (s0 == 1 and s1 >= max(1, rows))
+
+
+def _copy_to(t: torch.Tensor, column_major: bool) -> torch.Tensor:
+    """A fresh dense copy of 2-D ``t``, row- or column-major.  ``torch.empty`` rather than
+    ``.contiguous()``: a tensor with a size-1 dimension counts as contiguous whatever
+    that dimension's stride (0 after ``expand``), and would come back unchanged."""
+    if column_major:
+        return torch.empty(t.shape[::-1], dtype=t.dtype, device=t.device).copy_(t.t()).t()
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
+
+
 def _exact_float64_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` for int8 / fp8 operands as float64, every int8 partial sum exact.
 
     int8: partial sums are integers below 2**53, so float64 holds them exactly; on
-    CPU ``torch._int_mm`` (exact int32 accumulation) is several times faster.  fp8
-    products are exact in float64 and their sum is rounded far below fp32's epsilon.
+    CPU ``torch._int_mm`` (exact int32 accumulation) is several times faster, used
+    when int32 cannot overflow (K < ``INT8_EXACT_MAX_K``) and on operands copied to
+    a layout it reads correctly (``a`` row-major, ``b`` column-major) unless they
+    already have one.  fp8 products are exact in float64 and their sum is rounded
+    far below fp32's epsilon.
     """
-    if a.dtype == torch.int8 and a.device.type == "cpu" and a.shape[1] < 2**17:  # no int32 overflow
+    if a.dtype == torch.int8 and a.device.type == "cpu" and a.shape[1] < INT8_EXACT_MAX_K:
+        a = a if is_blas_layout(a) else _copy_to(a, column_major=False)
+        b = b if is_blas_layout(b) else _copy_to(b, column_major=True)
         return torch._int_mm(a, b).to(torch.float64)
+    # float64 conversion makes fresh dense tensors: any input strides are fine here.
     return torch.matmul(a.to(torch.float64), b.to(torch.float64))
 
 

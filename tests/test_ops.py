@@ -249,3 +249,91 @@ def test_awq_dequantize_rejects_malformed():
         ops.awq_dequantize(qw, s, qz[:1], G)
     with pytest.raises(ops.QuantfuseInputError, match="argument 'group_size'.*divisor of K = 128"):
         ops.awq_dequantize(qw, s, qz, 100)
+
+
+# --------------------------------------------------------------------------- layouts
+
+
+def _odd_activations(M, K, gen):
+    """(name, a [M, K]) with row strides below K: what no BLAS leading dimension describes."""
+    row = _rand_int8(1, K, gen=gen)
+    yield "expanded (0, 1)", row.expand(M, K)
+    yield "expanded M=1 (0, 1)", row.as_strided((1, K), (0, 1))
+    yield "sliding window (1, 1)", _rand_int8(M + K, gen=gen).as_strided((M, K), (1, 1))
+    yield "overlapping rows (K/2, 1)", _rand_int8(M * K, gen=gen).as_strided((M, K), (K // 2, 1))
+    yield "every other column", _rand_int8(M, 2 * K, gen=gen)[:, ::2]
+    yield "column-major", _rand_int8(K, M, gen=gen).t()
+
+
+def _odd_weights(K, N, gen):
+    """(name, b [K, N]) with layouts other than the column-major transpose of [N, K]."""
+    yield "expanded weight (1, 0)", _rand_int8(1, K, gen=gen).expand(N, K).t()
+    yield "expanded columns (0, 1)", _rand_int8(1, N, gen=gen).expand(K, N)
+    yield "sliding window (1, 1)", _rand_int8(N + K, gen=gen).as_strided((K, N), (1, 1))
+    yield "row-major", _rand_int8(K, N, gen=gen)
+
+
+def _layout_cases():
+    gen = torch.Generator().manual_seed(3)
+    M, K, N = 6, 64, 24
+    plain_a, plain_b = _rand_int8(M, K, gen=gen), _rand_int8(N, K, gen=gen).t()
+    for name, a in _odd_activations(M, K, gen):
+        yield f"a {name}", a, plain_b
+    for name, b in _odd_weights(K, N, gen):
+        yield f"b {name}", plain_a, b
+    yield "both expanded", _rand_int8(1, K, gen=gen).expand(M, K), _rand_int8(1, K, gen=gen).expand(N, K).t()
+
+
+@pytest.mark.parametrize("case", list(_layout_cases()), ids=lambda c: c[0])
+def test_int8_ops_are_exact_for_any_strides(case):
+    # The reference's fast path (CPU torch._int_mm) misreads operands whose strides no
+    # leading dimension describes; the op must copy them first, and the product stays exact.
+    _, a, b = case
+    M, N = a.shape[0], b.shape[1]
+    exact = a.double() @ b.double()
+    ones = torch.ones(1)
+    assert torch.equal(ops.scaled_mm(a, b, ones, ones, torch.float32).double(), exact)
+    colsum = b.to(torch.int32).sum(0, dtype=torch.int32)
+    azp = torch.arange(M, dtype=torch.int32) - 2
+    out = ops.scaled_mm_azp(a, b, ones, ones, torch.float32, colsum, azp)
+    assert torch.equal(out.double(), exact - azp.double().reshape(-1, 1) * colsum.double())
+    assert torch.equal(ops.exact_product(a, b).double(), exact)
+    assert out.shape == (M, N)
+
+
+def test_blas_layout_rule():
+    t = torch.zeros(4, 8, dtype=torch.int8)
+    assert ops.is_blas_layout(t) and ops.is_blas_layout(t.t())
+    assert ops.is_blas_layout(torch.zeros(4, 16, dtype=torch.int8)[:, 3:11])  # padded rows
+    assert not ops.is_blas_layout(t[:1].expand(4, 8))
+    assert not ops.is_blas_layout(t[:1].as_strided((1, 8), (0, 1)))  # "contiguous" to torch, stride 0
+    assert not ops.is_blas_layout(t.reshape(-1).as_strided((4, 8), (1, 1)))
+    assert not ops.is_blas_layout(t[:, ::2])
+
+
+# --------------------------------------------------------------------------- devices
+
+
+def _device_cases():
+    a, b, sa, sb, od, bias_t = _w8a8_inputs(8, 32, 16)
+    meta = {k: v.to("meta") for k, v in dict(a=a, b=b, sa=sa, sb=sb, bias=bias_t).items()}
+    yield "scaled_mm", "b", (a, meta["b"], sa, sb, od, bias_t)
+    yield "scaled_mm", "scale_a", (meta["a"], meta["b"], sa, meta["sb"], od, meta["bias"])
+    yield "scaled_mm", "scale_b", (a, b, sa, meta["sb"], od, bias_t)
+    yield "scaled_mm", "bias", (a, b, sa, sb, od, meta["bias"])
+    colsum = b.to(torch.int32).sum(0, dtype=torch.int32)
+    yield "scaled_mm_azp", "azp_adj", (a, b, sa, sb, od, colsum.to("meta"), None, None)
+    yield "scaled_mm_azp", "azp", (a, b, sa, sb, od, colsum, torch.zeros(8, dtype=torch.int32, device="meta"))
+    x, qw, s, qz, G, abias, *_ = _awq_inputs(4, 64, 16, 32)
+    yield "awq_gemm", "qweight", (x, qw.to("meta"), s, qz, G, abias)
+    yield "awq_gemm", "scales", (x.to("meta"), qw.to("meta"), s, qz.to("meta"), G, None)
+    yield "awq_gemm", "bias", (x, qw, s, qz, G, abias.to("meta"))
+    yield "awq_dequantize", "qzeros", (qw, s, qz.to("meta"), G)
+
+
+@pytest.mark.parametrize("case", list(_device_cases()), ids=lambda c: f"{c[0]}-{c[1]}")
+def test_mixed_devices_are_rejected_naming_the_argument(case):
+    # One device for every tensor argument, 1-element scales included (ops.py, _check_devices).
+    name, arg, args = case
+    with pytest.raises(ops.QuantfuseInputError, match=f"argument '{arg}' has .*device (cpu|meta); expected device"):
+        getattr(ops, name)(*args)
