@@ -11,12 +11,9 @@ calls); ``--fresh-x`` gives each input set its own x, as bench_awq.py does (what
 layers see).  ``--repeats`` times every row that many times, interleaved (the spread between
 repeats is the noise).  The last lines give each configuration's time per wave (median over
 the rows of time / whole waves of its tiles, at K = 4096): the starting point of the per-wave
-times in ``choose_config`` (csrc/awq_gemm/awq_gemm_sm90_choice.h; sessions 11 and 12 adjusted them
-to the choices that minimise the summed time over the sweeps; stream-K configurations count
-fractional waves plus a fixed fixup).
-Outputs: benchmarks/probe/awq_sm90_streamk_2026-11-24.txt (session 10, configs 0-4),
-benchmarks/probe/awq_sm90_widths_2026-11-25.txt (session 11, configs 0-10),
-benchmarks/probe/awq_sm90_streamk_wide_2026-11-25.txt (session 12, configs 0-12, --fresh-x).
+times in ``choose_config`` (csrc/awq_gemm/awq_gemm_sm90_choice.h), which are then adjusted to
+the choices that minimise the summed time over a sweep of all configurations with --fresh-x
+(stream-K configurations count fractional waves plus a fixed fixup).
 """
 
 from __future__ import annotations

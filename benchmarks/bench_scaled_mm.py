@@ -3,8 +3,8 @@
 For (N, K) in {(6144,4096), (4096,4096), (28672,4096), (4096,14336)} and M in
 {1,16,64,256,1024,4096,8192}: median time per call (benchmarks/timing.py: by default CUDA-graph
 replays rotating over input copies that exceed twice the L2; --timer flush for do_bench's
-L2 flush, as ../shared/BASELINES.md was measured) of
-  * ours: int8 per-token x per-channel + bias, bf16 out (the issue's target case)
+L2 flush) of
+  * ours: int8 per-token x per-channel + bias, bf16 out (the main target case)
   * ours azp: the same with per-token zero points (ScaledBiasAzpToken)
   * ours fp8: float8_e4m3fn row-wise + bias, bf16 out
   * bf16 cuBLAS  x @ w.t()
@@ -45,8 +45,8 @@ def main() -> int:
     ap.add_argument("--no-ours-fp8", action="store_true", help="skip our fp8 kernel (debugging)")
     ap.add_argument("--ms", default="", help="comma-separated M values (default: all)")
     ap.add_argument("--timer", choices=("rotate", "flush"), default="rotate",
-                    help="rotate: CUDA graph over input copies > 2x L2 (default); flush: do_bench's L2 flush "
-                    "(how ../shared/BASELINES.md was measured); see benchmarks/timing.py")
+                    help="rotate: CUDA graph over input copies > 2x L2 (default); flush: do_bench's L2 flush; "
+                    "see benchmarks/timing.py")
     ap.add_argument("--skip", default="",
                     help="comma-separated columns not to measure (nan), e.g. ours_azp,cublas_bf16")
     args = ap.parse_args()

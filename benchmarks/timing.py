@@ -7,22 +7,20 @@ Two ways to keep a call from reading its weight out of the 50 MB L2:
   least ``MIN_REPLAY_US``; the median replay time (CUDA events, no flush between replays) is
   divided by the number of calls.  This is what a model sees (each layer reads weights no
   one read recently, the lines left in L2 are clean) and it excludes host launch overhead
-  for every path alike.  METHOD.md's "rotate among several input sets".  (triton's do_bench
-  is not used here: its flush before every replay would leave the first call of each replay
-  writing back dirty lines.)
+  for every path alike.  (triton's do_bench is not used here: its flush before every replay
+  would leave the first call of each replay writing back dirty lines.)
 
   Each replay also costs a fixed amount that belongs to no call: the host's ``replay()``,
-  during which the GPU idles after the start event, and the graph's launch.  On the H100
-  that was 9.5-16 µs per replay (a graph of one tiny kernel), so before session 10, when a
-  replay held the input sets once (1 to 8 calls), every call timed carried 1-16 µs of it
-  (`probe/timer_overhead_2026-11-24.txt`).  Now a GPU sleep is queued before the start event,
-  so the graph is already submitted when the GPU reaches it, and the calls are repeated in
-  the same order (the rotation is unchanged) until a replay lasts ``MIN_REPLAY_US``.  The tiny
-  kernel then times at 1.2 µs per call (16.4 before).
+  during which the GPU would idle after the start event, and the graph's launch (9.5-16 µs
+  per replay on the H100 for a graph of one tiny kernel).  So a GPU sleep is queued before
+  the start event, which keeps the GPU busy until the graph is submitted, and the calls are
+  repeated in the same order (the rotation is unchanged) until a replay lasts
+  ``MIN_REPLAY_US``, which makes the launch a small part of it.  A tiny kernel times at
+  1.2 µs per call this way.
 * ``flushed(fn)``: ``triton.testing.do_bench``, which zero-fills a 256 MB buffer before every
   call.  That leaves the L2 full of dirty lines, so a memory-bound call also writes back
   lines it never touched (H100, int8 4096 x 4096 at M = 1: 12-20% slower than rotating).
-  ../shared/BASELINES.md was measured this way, so it stays available for comparison.
+  It is kept for comparison with figures measured by do_bench.
 """
 
 from __future__ import annotations

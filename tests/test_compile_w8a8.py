@@ -136,8 +136,8 @@ def test_freezing_keeps_quantized_weights_and_folds_column_sums():
     # Seeded weights: the second layer quantizes the first one's float32 output per token, and
     # an activation that lands within float32 accumulation error of a rounding midpoint rounds
     # differently in eager and compiled code (one quantization step, ~1e-3 here).  With
-    # unseeded weights, that made the test depend on the global RNG state left by earlier tests
-    # (it failed once in a full run, session 9); these weights have no such activation.
+    # unseeded weights the test would depend on the global RNG state left by earlier tests;
+    # these weights have no such activation.
     with torch.random.fork_rng():
         torch.manual_seed(0)
         model = TwoLayers().eval()

@@ -47,7 +47,7 @@ namespace {
 // kBatch x 512 contiguous bytes at once, double-buffered (the next batch is in flight while
 // this one is used).  On the H100 the same bytes asked for one 512-byte
 // step at a time (a rolling ring) read at ~1.8 TB/s, in batches of 2 KB at ~2.5 TB/s
-// (benchmarks/awq_stream_probe.cu, notes_awq.md).
+// (a read-only kernel with this grid and per-warp K ranges).
 #ifndef QF_AWQ_BATCH
 #define QF_AWQ_BATCH 4
 #endif
@@ -60,13 +60,13 @@ __device__ __forceinline__ uint4 load_stream(const uint4* p) { return __ldcs(p);
 // cover DRAM latency (fewer for more token tiles, whose accumulators need the registers).
 // Several token tiles in 4-warp blocks (chosen when the strips alone give two blocks per SM)
 // load batches of 2 k-steps instead of 4, which fits about 128 registers and so 16 warps per
-// SM: on the H100, 28672 x 4096 at M = 16 went from 45.8 to 34.5 us, and at M = 32 from 64.4
-// to 52.2 us (8 warps per SM before, 57.3 us with the previous layout; 116 bytes spilled).
-// With 8-warp blocks (fewer strips) the same change measured slower, so those keep batches
-// of 4 at 12 (two tiles) or 8 (four) warps per SM.
-// (A variant landing the weights in a per-warp shared-memory ring by cp.async instead of
-// registers measured slower on the H100: more instructions per step; notes_awq.md.)
-#ifndef QF_AWQ_NT1_WARPS  // probe knob: resident warps per SM for one token tile
+// SM: on the H100, 28672 x 4096 takes 34.5 us at M = 16 and 52.2 us at M = 32 this way,
+// against 45.8 and 64.4 us with batches of 4 at 8 warps per SM.
+// With 8-warp blocks (fewer strips) batches of 2 are slower, so those keep batches of 4 at
+// 12 (two tiles) or 8 (four) warps per SM.
+// (Landing the weights in a per-warp shared-memory ring by cp.async instead of registers is
+// slower on the H100: more instructions per step.)
+#ifndef QF_AWQ_NT1_WARPS  // measurement knob: resident warps per SM for one token tile
 #define QF_AWQ_NT1_WARPS 16
 #endif
 __host__ __device__ constexpr int min_warps_per_sm(int nt, int w) {
@@ -81,9 +81,9 @@ __host__ __device__ constexpr int batch_for(int nt, int w) { return nt > 1 && w 
 // * scaled: (q - z) * s made in half2/bfloat162 math in the fragments, activations loaded in
 //   their k-step.  ~92 instructions per k-step; fits two token tiles in 4-warp blocks at 16 warps
 //   per SM, and four.
-// On the H100 (notes_awq.md, session 8) the fold math was 7-11% faster for one token tile on the
-// four Llama shapes and 3-7% for two in 8-warp blocks, and 15-25% slower where the other two
-// configurations run (28672 x 4096 at 9 <= M <= 32).
+// On the H100 the fold math is 7-11% faster for one token tile on the four Llama shapes and
+// 3-7% for two in 8-warp blocks, and 15-25% slower where the other two configurations run
+// (28672 x 4096 at 9 <= M <= 32).
 __host__ __device__ constexpr bool fold_path(int nt, int w) { return nt == 1 || (nt == 2 && w == 8); }
 
 template <typename T, int NT, int W, bool CLUSTER>
@@ -119,7 +119,7 @@ __global__ void __launch_bounds__(W * 32, min_warps_per_sm(NT, W) / W) awq_gemm_
   sx.zero();
   const T* xrow[NT];
   activation_rows<T, NT>(x, M, K, m0, lane, xrow);
-#ifdef QF_AWQ_PROBE_MATH_ONLY  // probe knob: every strip reads strip 0's weights (L2-resident)
+#ifdef QF_AWQ_PROBE_MATH_ONLY  // measurement knob: every strip reads strip 0's weights (from L2)
   const uint4* wl = wp + lane;
 #else
   const uint4* wl = wp + (size_t)strip * KT * 32 + lane;
@@ -327,7 +327,7 @@ int nt_for(int M) { return M <= 8 ? 1 : (M <= 16 ? 2 : 4); }
 // Warps per block: as asked (4 or 8), else chosen.  One token tile, or several token blocks:
 // 4 (more resident blocks to stream with).  9 <= M <= 32 (168-255 registers, 1-3 blocks per
 // SM): 8, unless the strips alone already give two blocks per SM.  Measured on the H100
-// (notes_awq.md; 4096 x 14336, M = 32: 33 µs with 8 warps against 46 with 4).
+// (4096 x 14336, M = 32: 33 µs with 8 warps against 46 with 4).
 int warps_for(int warps, int M, int N, int device) {
   if (warps == 4 || warps == 8) return warps;
   if (nt_for(M) == 1 || M > 32) return 4;
@@ -344,7 +344,7 @@ int occupancy(int nt) {
 // over blocks (a power of two, at most kMaxCluster) while the blocks fill at most 3/4 of the
 // GPU's block slots (all of them for 8-warp blocks, of which 1-2 fit per SM) and each warp
 // keeps at least 8 k-steps: on the H100, more and shorter splits measured slower (cluster
-// scheduling, per-warp pipeline fill; benchmarks/notes_awq.md).
+// scheduling, per-warp pipeline fill).
 template <typename T>
 int splits_for(int M, int N, int K, int device, int warps) {
   const int W = warps_for(warps, M, N, device);

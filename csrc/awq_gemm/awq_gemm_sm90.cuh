@@ -107,10 +107,10 @@ using ConfigStreamK = Config<128, 128, 64, true, 1, cutlass::gemm::StreamKSchedu
 //    224 x 64 cooperative, cluster 2x1.  Token tiles sized to M between the multiples of
 //    128: the kernel keeps up with cuBLAS where its tiles fill whole waves (4096 x 4096 at
 //    M = 256 and 512), and at M = 320 a 160-token tile fills the wave that 128- and
-//    256-token tiles miss (cuBLAS runs 80-token tiles there).  (Also measured, session 11:
-//    64 x 256 x 128, never faster than config 2; the ping-pong widths with a 2x1 cluster
-//    multicasting x: within 1.5% of these at the median for 128-192 tokens, and for 224
-//    2% faster and 8% slower at the two points where 64 x 224 is chosen.)
+//    256-token tiles miss (cuBLAS runs 80-token tiles there).  (64 x 256 x 128 is never
+//    faster than config 2; the ping-pong widths with a 2x1 cluster multicasting x are within
+//    1.5% of these at the median for 128-192 tokens, and for 224 2% faster and 8% slower at
+//    the two points where 64 x 224 is chosen.)
 template <int TN>
 using ConfigWideK128 = Config<64, TN, 128, false>;
 template <int TN>
@@ -118,7 +118,7 @@ using ConfigWideCoop = Config<128, TN, 64, true, 2>;
 // 11, 12: 128 x 256 and 128 x 192 tiles, K 64 deep, cooperative, cluster 2x1, with the
 //    stream-K scheduler: large M where the whole tiles of configs 3 and 9 leave most of the
 //    last wave idle (4096 x 14336 at M = 1152: 160 tiles of 128 x 256 on 132 SMs, 0.81x cuBLAS
-//    at best with whole tiles in session 11; 0.95-0.97x with config 12, session 12).
+//    at best with whole tiles, 0.95-0.97x with config 12).
 template <int TN>
 using ConfigWideStreamK = Config<128, TN, 64, true, 2, cutlass::gemm::StreamKScheduler>;
 

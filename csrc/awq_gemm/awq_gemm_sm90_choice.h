@@ -21,12 +21,12 @@ namespace awq_sm90 {
 // * Token tiles wider than 128 only above 128 tokens: below, one 128-token tile covers M and
 //   a wider one only adds padding (28672 x 4096 at M = 48-128 took 66-70 µs with 128 x 160
 //   tiles against 61-62 with 64 x 128).
-// Configs 0-10 fitted in session 11 to every configuration forced at M = 128..4096 on the four
-// Llama shapes (benchmarks/probe/awq_sm90_widths_2026-11-25.txt, three runs); configs 11 and
-// 12 (session 12) to all thirteen forced at M = 128..4096, two repeats, fresh x per input set
-// (benchmarks/probe/awq_sm90_streamk_wide_2026-11-25.txt).  On that sweep the choice is within
-// 5% of the fastest configuration at 64 of the 72 points, 0.9% slower summed and at most 15%
-// (28672 x 4096 at M = 320); configs 0-10 alone were 2.3% slower summed and at most 24%.
+// The per-wave times are fitted to a sweep of all thirteen configurations forced at
+// M = 128..4096 on the four Llama shapes, two repeats, fresh x per input set
+// (benchmarks/bench_awq_sm90_configs.py --fresh-x).  On that sweep the choice is within 5% of
+// the fastest configuration at 64 of the 72 points, 0.9% slower summed and at most 15%
+// (28672 x 4096 at M = 320); without configs 11 and 12 it would be 2.3% slower summed and at
+// most 24%.
 struct TileCost {
   int rows, tokens;
   bool k128;        // needs K % 128 == 0 and group_size % 128 == 0 (or per-channel)
@@ -73,7 +73,7 @@ inline int choose_config(int64_t M, int64_t N, int64_t K, int group_size, int sm
 // 351 us at M = 300 against 162 with x padded to 512 rows (config 2).  So when at least 45%
 // of the last tile would be past the end, the op copies x into a zero-padded buffer of whole
 // tiles and returns the first M rows of the result.  Below that fraction the copy measured
-// slower than the zero fill (M = 200 and 1000; benchmarks/notes_awq.md, session 9).
+// slower than the zero fill (M = 200 and 1000 on the H100).
 constexpr int64_t padded_tokens(int64_t M, int config) {
   const int64_t tile = token_tile(config);
   const int64_t whole = (M + tile - 1) / tile * tile;

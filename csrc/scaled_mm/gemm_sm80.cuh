@@ -29,8 +29,8 @@ using cutlass::gemm::GemmShape;
 
 // ---------------------------------------------------------------------- tile configs
 // Shared memory per stage: (TM + TN) * TK bytes.  Tiles run data-parallel (one CTA per output
-// tile).  Stream-K (ThreadblockSwizzleStreamK) was measured on the H100 in v1 and lost at every
-// M and N tried (e.g. 4096x4096x4096: 187 vs 162 µs; M=1: 18.9 vs 16.9 µs), and its fix-up
+// tile).  Stream-K (ThreadblockSwizzleStreamK) is slower on the H100 at every M and N
+// measured (e.g. 4096x4096x4096: 187 vs 162 µs; M=1: 18.9 vs 16.9 µs), and its fix-up
 // path costs a 1 KiB stack frame and 45% more compile time (benchmarks/bench_scaled_mm_sm80.py).
 //
 // 0: narrow (M <= 32): 32x64x128 tiles, 2 warps of 32x32, 6 stages (72 KiB).

@@ -45,8 +45,8 @@ struct EnableSm90Only : Kernel {
 // 3: decode (M <= 32), swapped: D^T = B^T A^T with 64 (of N) x 32 (of M) x 256 tiles: the
 //    weight fills the 64-row wgmma operand, the few tokens the narrow side.  N/64 CTAs,
 //    each streaming its 64 weight rows through a deep (auto, ~7 stage) TMA pipeline.
-//    (v3 tried 128x32x128 cooperative + StreamKScheduler here: 1x4096x4096 went from 14.9
-//    to 21.4 µs, see benchmarks/notes_scaled_mm.md; reverted.)
+//    (128x32x128 cooperative tiles with the StreamKScheduler are slower here: 1x4096x4096
+//    takes 21.4 µs against 14.9.)
 struct ConfigSwapSmall {
   using Tile = Shape<_64, _32, _256>;
   using Cluster = Shape<_1, _1, _1>;
@@ -120,14 +120,14 @@ struct ConfigLargeNoCluster : ConfigLarge {
 };
 
 // By M, then by how well the output tiles fill the SMs (H100 sweep, 128 <= M <= 8192 on the
-// four LLM shapes: benchmarks/bench_scaled_mm_configs.py, notes_scaled_mm.md v4):
+// four LLM shapes: benchmarks/bench_scaled_mm_configs.py):
 // * 64 < M <= 256 takes the medium 64x128 tiles while they fit in one wave, else the large
 //   128x128 ones (N = 6144 or 28672 at M = 256: 6-26% faster, int8 and fp8);
 // * fp8 at 64 < M <= 128 takes the small tiles when the medium ones would fill less than half
 //   the GPU (N = 4096: 25-30% faster; the fp8 ping-pong mainloop pays for its promotion);
 // * fp8 large tiles run without a cluster, in bands of 4 tiles along M (config 4).  Against
 //   config 2 in one run: 12-20% faster at M = 1024 (equal on 4096 x 4096), 1-11% at M = 8192,
-//   -2..+7% at M = 4096, up to 6% slower at M = 2048 (notes_scaled_mm.md, session 6).
+//   -2..+7% at M = 4096, up to 6% slower at M = 2048.
 inline int choose_config(int64_t M, int64_t N, int sms, bool fp8) {
   if (M <= 32) return 3;
   if (M <= 64) return 0;

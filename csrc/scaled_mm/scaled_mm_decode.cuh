@@ -1,7 +1,7 @@
 // W8A8 decode kernel (M <= 16): streams the weight once through mma.sync tensor-core
 // instructions (int8: m16n8k32 s8 x s8 -> s32, sm_80+; fp8 e4m3: m16n8k32 e4m3 x e4m3 ->
 // f32, sm_89+).  Whether the public ops route here is decided in compile_backend/cuda/
-// scaled_mm.py from H100 measurements (benchmarks/notes_scaled_mm_decode.md).
+// scaled_mm.py from H100 measurements (benchmarks/bench_scaled_mm_decode.py).
 //
 // Roles (a "swapped" product, D^T = W A^T): the WEIGHT [N, K] (row-major; b is its
 // transpose) is the mma A operand, 16 output channels per m16 tile; the activations are
@@ -26,10 +26,9 @@
 // Loads: registers, in batches of kBatch chunks issued back to back (the warp asks for 16
 // rows x 256 bytes at once; 128 with two token tiles, whose registers would otherwise halve
 // the resident warps), double-buffered: the next batch is in flight while this one feeds
-// the mma.  On the H100 the request shape decides the bandwidth
-// (benchmarks/awq_stream_probe.cu, PROBE_W8A8, with a stand-in for the math): 16 rows x
-// 256 B per warp-batch read the 28672 x 4096 weight at 2.45 TB/s, 32 rows x 64 B at a time
-// (the shape of this kernel's earlier cp.async pipeline) at 1.9.
+// the mma.  On the H100 the request shape decides the bandwidth (a read-only kernel
+// with a stand-in for the math): 16 rows x 256 B per warp-batch read the 28672 x 4096 weight
+// at 2.45 TB/s, 32 rows x 64 B at a time (a cp.async pipeline's request shape) at 1.9.
 //
 // Epilogue: a tree of small functors (the idea of CUTLASS's epilogue visitor trees, see
 // epilogue_sm90.cuh), evaluated per output element on the reduced accumulator:
@@ -53,8 +52,8 @@
 #include "common/stream_load.h"
 #include "scaled_mm/scaled_mm_decode.h"
 
-// Weight loads with the L2::256B prefetch-size hint (1) or plain evict-first (0); the probe
-// builds both (benchmarks/awq_stream_probe.cu, PROBE_DECODE).  The hint is used where a batch
+// Weight loads with the L2::256B prefetch-size hint (1) or plain evict-first (0), a build-time
+// knob for measurements (-DQF_DECODE_L2_256B=0).  The hint is used where a batch
 // covers the 256-byte block of each row (batches of 4 chunks, one token tile): with batches of
 // 2 (two token tiles) it measured 3% slower on 28672 x 4096 (and 3-6% faster on 6144 x 4096
 // and 4096 x 14336), which put M = 16 behind _int_mm there.
@@ -401,8 +400,9 @@ int launch_one(const ScaledMmParams& p, const DecodeConfig& c, int* cuda_error) 
 
 template <bool kFp8, int NT, class Out, class Epi>
 int launch_batch(const ScaledMmParams& p, const DecodeConfig& c, int* cuda_error) {
-  // Batches of 4 chunks for one token tile (the H100 request-shape probe: 16 rows x 256 B per
-  // warp at once), of 2 for two, so that their registers leave 16 warps per SM.
+  // Batches of 4 chunks for one token tile (the request shape that reads fastest on the H100:
+  // 16 rows x 256 B per warp at once), of 2 for two, so that their registers leave 16 warps
+  // per SM.
   switch (c.batch > 0 ? c.batch : (NT == 1 ? 4 : 2)) {
     case 2: return launch_one<kFp8, NT, 2, Out, Epi>(p, c, cuda_error);
     case 4: return launch_one<kFp8, NT, 4, Out, Epi>(p, c, cuda_error);
