@@ -75,17 +75,32 @@ def quantize_weight_awq(weight: torch.Tensor, group_size: int, dtype=torch.float
 
     ``weight`` is ``[N, K]`` (nn.Linear layout); returns ``qweight [K, N/8]``,
     ``qzeros [K/G, N/8]`` (int32) and ``scales [K/G, N]`` in ``dtype``.
+
+    Each group's range is widened to include 0 (a zero point in [0, 15] can only
+    describe such ranges).  A constant group ``c`` (pruned or padded channels) gets
+    the scale ``|c|`` and ``q - z = sign(c)``, so it dequantizes to ``c`` rounded to
+    ``dtype`` (exactly when ``dtype`` holds ``c``).  Scales are at least ``dtype``'s
+    smallest normal number: a scale that underflows to 0 or a subnormal (1e-8 in
+    float16) would divide by zero here or depend on denormal handling in a kernel;
+    an all-zero group dequantizes to exact zeros.  Weights too large for ``dtype``'s
+    scales raise ``ValueError``.
     """
     N, K = weight.shape
-    if K % group_size != 0:
-        raise ValueError(f"quantize_weight_awq: group_size {group_size} does not divide K = {K}")
+    if not isinstance(group_size, int) or group_size <= 0 or K % group_size != 0:
+        raise ValueError(f"quantize_weight_awq: group_size {group_size!r} is not a positive divisor of K = {K}")
     if N % AWQ_PACK != 0:
         raise ValueError(f"quantize_weight_awq: N = {N} is not a multiple of {AWQ_PACK}")
     w = weight.detach().to(torch.float32).t().reshape(K // group_size, group_size, N)
     wmin, wmax = w.amin(dim=1), w.amax(dim=1)
-    scales = ((wmax - wmin) / 15).clamp(min=MIN_SCALE).to(dtype)
+    lo, hi = wmin.clamp(max=0), wmax.clamp(min=0)
+    constant = wmin == wmax
+    scale = torch.where(constant, wmax.abs(), (hi - lo) / 15)
+    scales = scale.to(dtype).clamp(min=torch.finfo(dtype).tiny)
+    if not torch.isfinite(scales).all():
+        raise ValueError(f"quantize_weight_awq: weight values up to {w.abs().max().item():.4g} need scales "
+                         f"beyond {dtype}'s range")
     s = scales.to(torch.float32)
-    zeros = torch.round(-wmin / s).clamp(0, 15)
+    zeros = torch.round(-lo / s).clamp(0, 15)
     q = torch.round(w / s.unsqueeze(1) + zeros.unsqueeze(1)).clamp(0, 15)
     qweight = awq_pack(q.reshape(K, N).to(torch.int32))
     qzeros = awq_pack(zeros.to(torch.int32))

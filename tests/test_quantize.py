@@ -141,3 +141,63 @@ def test_quantize_model_swaps_linears_and_skips_lm_head():
     assert all(m.group_size == 64 for m in awq.modules() if isinstance(m, AWQLinear))
     with pytest.raises(ValueError, match="scheme 'int3'"):
         quantize_model(tiny_llama(), "int3")
+
+
+def _awq_dequantized(qweight, qzeros, scales, group_size):
+    """[N, K] float32 dequantization from the packed tensors (the op's arithmetic, in float32)."""
+    q = awq_unpack_values(qweight).float()
+    z = awq_unpack_values(qzeros).float().repeat_interleave(group_size, 0)
+    return ((q - z) * scales.float().repeat_interleave(group_size, 0)).t()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_awq_all_zero_and_constant_groups(dtype):
+    # Pruned or padded channels: a float16 scale floor of 1e-8 rounds to 0 and 0/0 broke packing;
+    # a constant group must come back as the constant (rounded to dtype), zeros as exact zeros.
+    N, K, G = 16, 256, 32
+    w = torch.randn(N, K, generator=torch.Generator().manual_seed(0)) * 0.05
+    w[:, 0:32] = 0.0
+    w[:8, 32:64] = 0.3
+    w[8:, 32:64] = -1e-3
+    w[:, 64:96] = 7.0
+    w[:4, 96:128] = -2.5e-5  # a float16 subnormal: below the smallest normal scale, quantizes to 0
+    w[4:, 96:128] = 65504.0 if dtype == torch.float16 else 1e30
+    qweight, qzeros, scales = quantize_weight_awq(w, G, dtype)
+    assert (scales >= torch.finfo(dtype).tiny).all() and torch.isfinite(scales).all()
+    deq = _awq_dequantized(qweight, qzeros, scales, G)
+    exact = w.to(dtype).float()
+    assert torch.equal(deq[:, :96], exact[:, :96])
+    tiny = torch.zeros(4, 32) if dtype == torch.float16 else exact[:4, 96:128]  # bfloat16 holds -2.5e-5
+    assert torch.equal(deq[:4, 96:128], tiny)
+    assert torch.equal(deq[4:, 96:128], exact[4:, 96:128])
+    # The random groups stay within half a step, plus what rounding the scale to dtype moves
+    # the top of the range (up to 15 steps times the scale's relative rounding).
+    s = scales.float().repeat_interleave(G, 0).t()
+    bound = s * (0.5 + 15 * torch.finfo(dtype).eps)
+    assert ((deq[:, 128:] - w[:, 128:]).abs() <= bound[:, 128:]).all()
+    # Through the module and quantize_model, on a layer whose first group is all zeros.
+    lin = nn.Linear(K, N).to(dtype)
+    with torch.no_grad():
+        lin.weight[:, :G] = 0
+    mod = AWQLinear.from_linear(lin, group_size=G, dtype=dtype)
+    assert torch.equal(mod.dequantized_weight()[:G], torch.zeros(G, N, dtype=dtype))
+    model = quantize_model(nn.Sequential(lin), "awq-g32")
+    assert isinstance(model[0], AWQLinear)
+
+
+def test_awq_groups_that_do_not_straddle_zero():
+    # All-positive (or all-negative) groups: the range is widened to include 0, so a zero
+    # point in [0, 15] describes it and every value is within half a step.
+    w = torch.rand(8, 64, generator=torch.Generator().manual_seed(1)) * 0.01 + 1.0
+    w[4:] *= -1
+    qweight, qzeros, scales = quantize_weight_awq(w, 32, torch.float32)
+    deq = _awq_dequantized(qweight, qzeros, scales, 32)
+    s = scales.repeat_interleave(32, 0).t()
+    assert ((deq - w).abs() <= s / 2 + 1e-6).all()
+
+
+def test_awq_weights_beyond_the_scale_range_raise():
+    w = torch.full((8, 32), 1e6)
+    w[0, 0] = -1e6
+    with pytest.raises(ValueError, match="beyond torch.float16's range"):
+        quantize_weight_awq(w, 32, torch.float16)
