@@ -7,14 +7,22 @@ changed).  Options:
 
 ``passes`` (bool, default True)
     Install the quantfuse passes.  False gives plain Inductor.
-``families`` (sequence of str, default all)
+``families`` (a family name or a sequence of them, default all)
     Pattern families to enable: ``scaled_mm``, ``scaled_mm_azp``, ``awq_gemm``.
 ``fallback`` (bool, default True)
-    If compiling with our passes fails, warn once and compile with plain
-    Inductor; if that fails too, run the graph in eager.  False re-raises.
+    If compiling with our passes fails, compile with plain Inductor; if that
+    fails too, run the graph in eager.  Each such fallback logs a WARNING on
+    this module's logger and counts in
+    ``torch._dynamo.utils.counters["quantfuse"]`` (``fallback_inductor``,
+    ``fallback_eager``), every time it happens.  False re-raises.
 any other key
     Passed to Inductor as a config patch (e.g. ``"max_autotune": True``,
     ``"freezing": True``), like ``torch.compile(options=...)`` for Inductor.
+
+Options are checked before anything compiles, as Inductor checks its own: an
+unknown key (a typo such as ``max_autotunez``), a mistyped value or an unknown
+family raises ``ValueError`` naming it and the valid ones (Dynamo reports it
+as ``BackendCompilerFailed``); fallback is for real compile failures only.
 
 ``mode`` works as for Inductor ("reduce-overhead" turns on CUDA graphs,
 "max-autotune" max-autotune).
@@ -23,7 +31,6 @@ any other key
 from __future__ import annotations
 
 import logging
-import warnings
 from typing import Any
 
 import torch
@@ -33,13 +40,19 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 log = logging.getLogger("compile_backend")
 
 OUR_OPTIONS = ("passes", "families", "fallback")
-_warned: set[str] = set()
+# torch._dynamo.utils.counters[COUNTERS]: "fallback_inductor" (compiled without our passes) and
+# "fallback_eager" (ran in eager), one per failed compile, next to Dynamo's own counters.
+COUNTERS = "quantfuse"
 
 
-def _warn_once(key: str, message: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
+def _fell_back(kind: str, message: str) -> None:
+    """A real compile failure: counted and logged at WARNING every time it happens, so that
+    a model silently running without fusion (or without Inductor) shows up per compile."""
+    from torch._dynamo.utils import counters
+
+    counters[COUNTERS][kind] += 1
+    log.warning("%s", message)
+    log.debug("quantfuse: the failed compile's traceback", exc_info=True)
 
 
 def _slot_accepts_list() -> bool:
@@ -83,15 +96,70 @@ def install_passes(config_patches: dict, passes: dict) -> dict:
     return patches
 
 
+def _our_option(key: str, value):
+    """``value`` of one of OUR_OPTIONS, checked (``families`` normalised to a tuple)."""
+    if key in ("passes", "fallback"):
+        if not isinstance(value, bool):
+            raise ValueError(f"quantfuse: option {key!r} is {value!r}; expected True or False")
+        return value
+    from compile_backend.passes import FAMILIES
+
+    families = (value,) if isinstance(value, str) else value
+    try:
+        families = tuple(families)
+    except TypeError:
+        families = None
+    if families is None or not all(isinstance(f, str) for f in families):
+        raise ValueError(f"quantfuse: option 'families' is {value!r}; expected family names from {FAMILIES}")
+    unknown = [f for f in families if f not in FAMILIES]
+    if unknown:
+        raise ValueError(f"quantfuse: option 'families' names unknown pattern families {unknown}; "
+                         f"the families are {FAMILIES}")
+    return families
+
+
+def _inductor_option(key: str, value, known: dict) -> str:
+    """The Inductor config name for ``key``, checked as ``torch.compile(options=...)`` checks
+    it for Inductor (dashes read as underscores, the key must exist, plain types must match)."""
+    import difflib
+    import typing
+
+    from torch._inductor import config as inductor_config
+
+    name = key.replace("-", "_")
+    if name not in known:
+        close = difflib.get_close_matches(name, [*OUR_OPTIONS, *known], n=3)
+        hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+        raise ValueError(
+            f"quantfuse: unknown option {key!r}{hint}. quantfuse's options are {list(OUR_OPTIONS)}; any other key "
+            f"must be a torch._inductor.config setting, one of {sorted(known)}")
+    expected = inductor_config.get_type(name)
+    if typing.get_origin(expected) is None and isinstance(expected, type) and not isinstance(value, expected):
+        raise ValueError(f"quantfuse: option {key!r} is {value!r} ({type(value).__name__}); Inductor's "
+                         f"{name} takes {expected.__name__}")
+    return name
+
+
 def _split_options(options: dict | None, mode: str | None) -> tuple[dict, dict]:
-    ours = {"passes": True, "fallback": True}
+    """(our options, Inductor config patches); raises ValueError naming an unknown or
+    mistyped option, before anything is compiled (a typo must not look like a failed
+    compile and run the model without fusion)."""
+    ours: dict[str, Any] = {"passes": True, "fallback": True}
     inductor: dict[str, Any] = {}
     if mode and mode != "default":
         from torch._inductor import list_mode_options
 
         inductor.update(list_mode_options(mode))
+    known = None
     for key, value in (options or {}).items():
-        (ours if key in OUR_OPTIONS else inductor)[key] = value
+        if key in OUR_OPTIONS:
+            ours[key] = _our_option(key, value)
+            continue
+        if known is None:
+            from torch._inductor import config as inductor_config
+
+            known = inductor_config.get_config_copy()
+        inductor[_inductor_option(key, value, known)] = value
     return ours, inductor
 
 
@@ -112,16 +180,14 @@ def quantfuse(gm: torch.fx.GraphModule, example_inputs, options: dict | None = N
         # Dynamo's restart signals (e.g. TensorifyScalarRestartAnalysis under dynamic=True) are control flow.
         if not ours["fallback"] or isinstance(exc, torch._dynamo.exc.RestartAnalysis):
             raise
-        log.debug("quantfuse: compile with passes failed", exc_info=True)
-        _warn_once("passes", f"quantfuse: compiling with the quantfuse passes failed ({exc!r}); "
-                             "falling back to Inductor without them.")
+        _fell_back("fallback_inductor", f"quantfuse: compiling with the quantfuse passes failed ({exc!r}); "
+                                        "falling back to Inductor without them for this graph.")
     try:
         return compile_fx(gm, example_inputs, config_patches=inductor_patches)
     except Exception as exc:
         if isinstance(exc, torch._dynamo.exc.RestartAnalysis):
             raise
-        log.debug("quantfuse: plain Inductor compile failed", exc_info=True)
-        _warn_once("inductor", f"quantfuse: Inductor failed on this graph too ({exc!r}); running it in eager.")
+        _fell_back("fallback_eager", f"quantfuse: Inductor failed on this graph too ({exc!r}); running it in eager.")
         return gm.forward
 
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
-import warnings
 from importlib.metadata import entry_points
 
 import pytest
@@ -109,7 +109,16 @@ def test_options_reach_inductor_and_global_config_is_untouched(monkeypatch):
     assert all(getattr(inductor_config, s) is None for s in slots)
 
 
-def test_failed_pass_compile_falls_back_with_one_warning(monkeypatch):
+def _fallbacks():
+    return dict(torch._dynamo.utils.counters[backend.COUNTERS])
+
+
+@pytest.fixture(autouse=True)
+def _clear_fallback_counts():
+    torch._dynamo.utils.counters.pop(backend.COUNTERS, None)
+
+
+def test_failed_pass_compile_falls_back_visibly_each_time(monkeypatch, caplog):
     calls = []
 
     def flaky_compile_fx(gm, example_inputs, config_patches=None):
@@ -120,33 +129,76 @@ def test_failed_pass_compile_falls_back_with_one_warning(monkeypatch):
         return gm.forward
 
     monkeypatch.setattr("torch._inductor.compile_fx.compile_fx", flaky_compile_fx)
-    monkeypatch.setattr(backend, "_warned", set())
     x, w = torch.randn(4, 8), torch.randn(8, 8)
     torch._dynamo.reset()
-    with pytest.warns(RuntimeWarning, match="falling back to Inductor without them"):
-        out = torch.compile(_f, backend="quantfuse")(x, w)
-    torch.testing.assert_close(out, _f(x, w))
-    assert calls == [True, False]
-    # fallback=False re-raises instead.
+    # Two compiles, two records and two counts: not one warning per process.
+    with caplog.at_level(logging.WARNING, logger=backend.log.name):
+        for _ in range(2):
+            torch._dynamo.reset()
+            out = torch.compile(_f, backend="quantfuse")(x, w)
+            torch.testing.assert_close(out, _f(x, w))
+    assert calls == [True, False, True, False]
+    records = [r for r in caplog.records if "falling back to Inductor without them" in r.getMessage()]
+    assert len(records) == 2 and all(r.levelno == logging.WARNING for r in records)
+    assert "pass exploded" in records[0].getMessage()
+    assert _fallbacks() == {"fallback_inductor": 2}
+    # fallback=False re-raises instead, and counts nothing.
     torch._dynamo.reset()
     with pytest.raises(Exception, match="pass exploded"):
         torch.compile(_f, backend="quantfuse", options={"fallback": False})(x, w)
+    assert _fallbacks() == {"fallback_inductor": 2}
 
 
-def test_failed_inductor_runs_eager(monkeypatch):
+def test_failed_inductor_runs_eager_and_says_so(monkeypatch, caplog):
     def broken_compile_fx(gm, example_inputs, config_patches=None):
         raise RuntimeError("inductor exploded")
 
     monkeypatch.setattr("torch._inductor.compile_fx.compile_fx", broken_compile_fx)
-    monkeypatch.setattr(backend, "_warned", set())
     x, w = torch.randn(4, 8), torch.randn(8, 8)
     torch._dynamo.reset()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with caplog.at_level(logging.WARNING, logger=backend.log.name):
         out = torch.compile(_f, backend="quantfuse")(x, w)
     torch.testing.assert_close(out, _f(x, w))
-    messages = [str(w.message) for w in caught]
+    messages = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("without them" in m for m in messages) and any("running it in eager" in m for m in messages)
+    assert _fallbacks() == {"fallback_inductor": 1, "fallback_eager": 1}
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"max_autotunez": True}, r"unknown option 'max_autotunez' \(did you mean 'max_autotune'"),
+    ({"famillies": ["scaled_mm"]}, r"unknown option 'famillies' \(did you mean 'families'"),
+    ({"not_a_setting": 1}, r"unknown option 'not_a_setting'.*\['passes', 'families', 'fallback'\].*'max_autotune'"),
+    ({"families": ["scaled_mn"]}, r"unknown pattern families \['scaled_mn'\].*'scaled_mm_azp', 'scaled_mm', 'awq_gemm"),
+    ({"families": 3}, r"option 'families' is 3"),
+    ({"passes": "yes"}, r"option 'passes' is 'yes'; expected True or False"),
+    ({"fallback": None}, r"option 'fallback' is None"),
+    ({"max_autotune": "yes"}, r"option 'max_autotune' is 'yes' \(str\); Inductor's max_autotune takes bool"),
+])
+def test_bad_options_raise_before_compiling(monkeypatch, options, match):
+    # A typo must not look like a failed compile (eager, no fusion): it raises, like Inductor's own check.
+    compiled = []
+    monkeypatch.setattr("torch._inductor.compile_fx.compile_fx",
+                        lambda gm, example_inputs, config_patches=None: compiled.append(1) or gm.forward)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=match):
+        torch.compile(_f, backend="quantfuse", options=options)(torch.randn(4, 8), torch.randn(8, 8))
+    assert compiled == [] and _fallbacks() == {}
+
+
+def test_option_spellings_inductor_accepts(monkeypatch):
+    seen = {}
+
+    def fake_compile_fx(gm, example_inputs, config_patches=None):
+        seen.update(config_patches)
+        return gm.forward
+
+    monkeypatch.setattr("torch._inductor.compile_fx.compile_fx", fake_compile_fx)
+    torch._dynamo.reset()
+    options = {"max-autotune": True, "triton.cudagraphs": False, "families": "scaled_mm"}
+    torch.compile(_f, backend="quantfuse", options=options)(torch.randn(4, 8), torch.randn(8, 8))
+    assert seen["max_autotune"] is True and seen["triton.cudagraphs"] is False  # dashes read as underscores
+    slots = make_graph_passes({"families": ("scaled_mm",)})  # one family name, not its letters
+    assert all(seen[s].uuid() == p.uuid() for s, p in slots.items())
 
 
 @pytest.mark.compile
