@@ -26,7 +26,8 @@ into the op with the view re-applied to its result.
 
 How it is written: the matmul side — product order, cast, the two group
 expansions, ``mm`` — is a set of declarative ``PatternExpr`` trees generated
-by looping over the variants and registered with ``register_graph_pattern``;
+by looping over the variants and registered with ``fx_helpers.register_checked``
+(the shared check → plan → replace → report path of every family);
 the unpack chains are a second set of generated declarative patterns (one per
 sequence of steps), matched inside the check against the nodes the first
 pattern bound as "unpacked weight" and "unpacked zeros" (registering their
@@ -72,6 +73,7 @@ post-grad slots see (after ``view_to_reshape``; tested): moving them or adding
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections import Counter
 from dataclasses import dataclass
@@ -89,7 +91,7 @@ from torch._inductor.pattern_matcher import (
 
 from compile_backend.ops import AWQ_ACT_DTYPES, AWQ_PACK, AWQ_SHIFTS
 
-from .report import note_reason, record_fused
+from .fx_helpers import CONVERT, VIEWS, Plan, Reject, no_alpha, register_checked, static_shape, tensor_val
 
 aten, prims = torch.ops.aten, torch.ops.prims
 
@@ -97,9 +99,7 @@ FAMILY = "awq_gemm"
 PASS_SLOTS = ("joint_custom_pre_pass",)
 MASK = 2**4 - 1
 
-VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 RSHIFTS = (aten.__rshift__.Tensor, aten.bitwise_right_shift.Tensor)
-CONVERT = prims.convert_element_type.default
 _INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 _EXACT_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -148,23 +148,6 @@ _UNPACK_PATTERNS = _build_unpack_patterns()
 
 
 # --------------------------------------------------------------------------- static values of nodes
-
-
-def _val(node):
-    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-
-
-def _tensor(node) -> torch.Tensor | None:
-    v = _val(node)
-    return v if isinstance(v, torch.Tensor) else None
-
-
-def _static_shape(t: torch.Tensor | None):
-    """The shape as a tuple of ints, or None when any size is symbolic."""
-    if t is None:
-        return None
-    shape = tuple(t.shape)
-    return shape if all(type(s) is int for s in shape) else None
 
 
 _CONST_OPS = {
@@ -264,12 +247,12 @@ def _check_unpack(root: torch.fx.Node, seq, m: Match) -> _Unpacked | str:
     shifted, unsqueezed = node, node.args[0]
     packed = m.kwargs["packed"]
 
-    p = _tensor(packed)
-    if p is None or p.dtype != torch.int32 or p.dim() != 2 or _static_shape(p) is None:
+    p = tensor_val(packed)
+    if p is None or p.dtype != torch.int32 or p.dim() != 2 or static_shape(p) is None:
         return "the packed tensor is not a 2-D int32 tensor of static shape"
     R, C = p.shape
     N = C * AWQ_PACK
-    if _static_shape(_tensor(unsqueezed)) != (R, C, 1) or _static_shape(_tensor(shifted)) != (R, C, AWQ_PACK):
+    if static_shape(tensor_val(unsqueezed)) != (R, C, 1) or static_shape(tensor_val(shifted)) != (R, C, AWQ_PACK):
         return "the shift does not spread each int32 over 8 values along a new last dimension"
     shifts = _constant(m.kwargs["shifts"])
     if (shifts is None or shifts.dtype not in _INT_DTYPES or shifts.dim() > 3 or shifts.shape[-1] != AWQ_PACK
@@ -284,11 +267,11 @@ def _check_unpack(root: torch.fx.Node, seq, m: Match) -> _Unpacked | str:
     flat_shapes = {(R, C, AWQ_PACK), (R, N), (R * C, AWQ_PACK)}
     shape, masked = (R, C, AWQ_PACK), False
     for step, n in chain:
-        out = _tensor(n)
+        out = tensor_val(n)
         if out is None:
             return "a node in the unpack chain has no tensor metadata"
         if step == "view":
-            shape = _static_shape(out)
+            shape = static_shape(out)
             if shape not in flat_shapes:
                 return f"a reshape to {tuple(out.shape)} mixes rows of the packed tensor"
         elif step == "mask":
@@ -300,7 +283,7 @@ def _check_unpack(root: torch.fx.Node, seq, m: Match) -> _Unpacked | str:
         elif step == "gather":
             perm = _constant(m.kwargs["perm"])
             if (perm is None or perm.dim() != 1 or perm.dtype not in _INT_DTYPES or len(shape) != 2
-                    or perm.numel() != shape[1] or _static_shape(out) != shape):
+                    or perm.numel() != shape[1] or static_shape(out) != shape):
                 return "the column reorder is not a constant 1-D permutation of the last dimension"
             perm = perm.to(torch.int64)
             if perm.numel() and (perm.min() < 0 or perm.max() >= shape[1]):
@@ -311,7 +294,7 @@ def _check_unpack(root: torch.fx.Node, seq, m: Match) -> _Unpacked | str:
                 src = src.view(C, AWQ_PACK)[:, perm].reshape(-1)
             else:
                 return "the column reorder is applied to an unsupported shape"
-    if shape != (R, N) or _static_shape(_tensor(root)) != (R, N) or not masked:
+    if shape != (R, N) or static_shape(tensor_val(root)) != (R, N) or not masked:
         return f"the unpacked tensor is not [{R}, {N}]"
     n = torch.arange(N)
     want_shift = torch.tensor(AWQ_SHIFTS, dtype=torch.int64)[n % AWQ_PACK]
@@ -368,21 +351,17 @@ class _Fusion:
     detail: str
 
 
-def _no_alpha(node: torch.fx.Node) -> bool:
-    return node.kwargs.get("alpha", 1) == 1
-
-
 def _expansion(node, kind: str, N: int):
     """(groups, group size or None for broadcasting) of a group-expanded ``[K, N]`` operand, else None."""
     if kind == "broadcast":
-        return (1, None) if _static_shape(_tensor(node)) == (1, N) else None
+        return (1, None) if static_shape(tensor_val(node)) == (1, N) else None
     inner = node.args[0]
     expand = inner.args[0] if kind == "clone" else inner
     unsq = expand.args[0]
-    e, u = _static_shape(_tensor(expand)), _static_shape(_tensor(unsq))
+    e, u = static_shape(tensor_val(expand)), static_shape(tensor_val(unsq))
     if e is None or u is None or len(e) != 3 or u != (e[0], 1, e[2]) or e[2] != N:
         return None
-    if _static_shape(_tensor(node)) != (e[0] * e[1], N):
+    if static_shape(tensor_val(node)) != (e[0] * e[1], N):
         return None
     return e[0], e[1]
 
@@ -394,14 +373,14 @@ def _analyze(v: _Variant, match: Match) -> _Fusion | str:
     weight = mm.args[1]
     diff_side, s_side = weight.args[::-1] if v.scales_first else weight.args
     sub = diff_side.args[0] if v.cast else diff_side
-    if not _no_alpha(sub):
+    if not no_alpha(sub):
         return "the zero point is subtracted with an alpha"
-    diff = _tensor(sub)
+    diff = tensor_val(sub)
     if diff is None or not (diff.dtype.is_floating_point or diff.dtype.is_signed):
         # e.g. uint8: 3 - 5 wraps around to 254 in the graph; awq_gemm computes -2.
         return f"the zero point is subtracted in {getattr(diff, 'dtype', None)}, which wraps around"
 
-    x, scales, W, y = _tensor(kw["x"]), _tensor(kw["scales"]), _tensor(weight), _tensor(mm)
+    x, scales, W, y = tensor_val(kw["x"]), tensor_val(kw["scales"]), tensor_val(weight), tensor_val(mm)
     if x is None or scales is None or W is None or y is None:
         return "missing tensor metadata"
     dtype = x.dtype
@@ -409,7 +388,7 @@ def _analyze(v: _Variant, match: Match) -> _Fusion | str:
         return f"activations are {dtype}; awq_gemm takes float16 or bfloat16"
     if scales.dtype != dtype or W.dtype != dtype or y.dtype != dtype:
         return f"scales ({scales.dtype}) / dequantized weight ({W.dtype}) not in the activation dtype {dtype}"
-    w_shape, s_shape = _static_shape(W), _static_shape(scales)
+    w_shape, s_shape = static_shape(W), static_shape(scales)
     if w_shape is None or s_shape is None:
         return "symbolic weight or scale shape"
     K, N = w_shape
@@ -442,26 +421,18 @@ def _analyze(v: _Variant, match: Match) -> _Fusion | str:
     return _Fusion(qw.packed, qz.packed, g_z, form, f"{per} K={K} N={N} {str(dtype).removeprefix('torch.')}")
 
 
-def _make_mm_handler(v: _Variant):
-    def check(match: Match) -> bool:
-        fusion = _analyze(v, match)
-        if isinstance(fusion, str):
-            note_reason(match.output_node(), f"{FAMILY}: {fusion}")
-            return False
-        match.quantfuse_awq = fusion
-        return True
+def _plan(v: _Variant, match: Match) -> Plan:
+    fusion = _analyze(v, match)
+    if isinstance(fusion, str):
+        raise Reject(fusion)
+    group_size = fusion.group_size
 
-    def handler(match: Match, **kw):
-        fusion = match.quantfuse_awq
-        group_size = fusion.group_size
+    def build(x, qweight, scales, qzeros):
+        return torch.ops.quantfuse.awq_gemm(x, qweight, scales, qzeros, group_size)
 
-        def repl(x, qweight, scales, qzeros):
-            return torch.ops.quantfuse.awq_gemm(x, qweight, scales, qzeros, group_size)
-
-        match.replace_by_example(repl, [kw["x"], fusion.qweight, kw["scales"], fusion.qzeros])
-        record_fused(FAMILY, fusion.form, fusion.detail)
-
-    return check, handler
+    inputs = {"x": match.kwargs["x"], "qweight": fusion.qweight, "scales": match.kwargs["scales"],
+              "qzeros": fusion.qzeros}
+    return Plan(inputs, build, fusion.detail, form=fusion.form)
 
 
 # --------------------------------------------------------------------------- bias folding
@@ -484,10 +455,10 @@ def _bias_patterns():
 
 def _bias_check(match: Match) -> bool:
     add = match.output_node()
-    b, y, x = _tensor(match.kwargs["bias"]), _tensor(add), _tensor(match.kwargs["x"])
-    if b is None or y is None or x is None or not _no_alpha(add):
+    b, y, x = tensor_val(match.kwargs["bias"]), tensor_val(add), tensor_val(match.kwargs["x"])
+    if b is None or y is None or x is None or not no_alpha(add):
         return False
-    N = _tensor(match.kwargs["scales"]).shape[1]
+    N = tensor_val(match.kwargs["scales"]).shape[1]
     return b.dim() == 1 and b.shape[0] == N and b.dtype == x.dtype == y.dtype and tuple(y.shape)[-1] == N
 
 
@@ -517,7 +488,6 @@ def register(passes: dict) -> None:
     for slot in PASS_SLOTS:
         target = passes[slot]
         for v in _variants():
-            check, handler = _make_mm_handler(v)
-            register_graph_pattern(_mm_pattern(v), extra_check=check, pass_dict=target)(handler)
+            register_checked(_mm_pattern(v), target, FAMILY, None, functools.partial(_plan, v))
         for pattern, view in _bias_patterns():
             register_graph_pattern(pattern, extra_check=_bias_check, pass_dict=target)(_make_bias_handler(view))

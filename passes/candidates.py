@@ -18,6 +18,7 @@ import torch
 import compile_backend.ops  # noqa: F401  (torch.ops.quantfuse.*)
 
 from . import report
+from .fx_helpers import tensor_val
 
 aten = torch.ops.aten
 
@@ -42,8 +43,8 @@ _GEMM_OUTPUTS = MATMULS | {
 
 
 def _dtype(node):
-    v = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    return v.dtype if isinstance(v, torch.Tensor) else None
+    v = tensor_val(node) if isinstance(node, torch.fx.Node) else None
+    return None if v is None else v.dtype
 
 
 def quantized_source(node, depth: int = MAX_DEPTH, seen=None) -> str | None:

@@ -3,8 +3,8 @@
 Form 2c: ``((a.to(dt) - z_a) * s_a)`` [viewed to 2-D] and ``(w.to(dt) * s_b).t()``
 into ``mm`` / ``addmm`` (``F.linear``, ``x @ w.t()``, ``torch.mm``,
 ``torch.matmul``), int8 only, with the same variants, checks and epilogue rules
-as ``scaled_mm`` (its pattern pieces are shared, generated from the same
-builders with ``zero_point=True``).  Slots: ``joint_custom_pre_pass``, and
+as ``scaled_mm`` (the pattern builders, checks and epilogue rules both use live
+in ``fx_helpers``; here they are generated with ``zero_point=True``).  Slots: ``joint_custom_pre_pass``, and
 ``post_grad_custom_pre_pass`` as a second chance, for the reasons
 ``scaled_mm``'s docstring gives.
 
@@ -34,8 +34,9 @@ from torch.fx import Node
 
 import compile_backend.weight_cache  # noqa: F401  (registers quantfuse::weight_colsum)
 
-from .scaled_mm import (
-    SLOTS,
+from .fx_helpers import (
+    CONVERT,
+    VIEWS,
     OpSignature,
     Plan,
     Reject,
@@ -53,13 +54,13 @@ from .scaled_mm import (
 )
 
 FAMILY = "scaled_mm_azp"
+SLOTS = ("joint_custom_pre_pass", "post_grad_custom_pre_pass")
 SCALED_MM_AZP = OpSignature(torch.ops.quantfuse.scaled_mm_azp.default, FAMILY, out_dtype_index=4, bias_index=7)
 
 aten = torch.ops.aten
 _ROUNDING = (aten.round.default,)
 _CLAMPS = (aten.clamp_min.default, aten.clamp_max.default, aten.clamp.default)
-_PASS_THROUGH = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unsqueeze.default,
-                 aten.expand.default, aten.slice.Tensor)
+_PASS_THROUGH = (*VIEWS, aten.unsqueeze.default, aten.expand.default, aten.slice.Tensor)
 
 
 def is_integral(x, depth: int = 8) -> bool:
@@ -77,7 +78,7 @@ def is_integral(x, depth: int = 8) -> bool:
         return v.dtype != torch.bool
     if x.target in _ROUNDING and not x.kwargs.get("decimals") and len(x.args) == 1:
         return True
-    if x.target is torch.ops.prims.convert_element_type.default:
+    if x.target is CONVERT:
         return is_integral(x.args[0], depth - 1)
     if x.target in _CLAMPS:
         bounds = [b for b in x.args[1:] if b is not None]
