@@ -5,10 +5,9 @@ importing this package; import it for the ops (``torch.ops.quantfuse.*``),
 the reference modules (``compile_backend.quantize``) and ``explain``.
 """
 
-from . import (  # noqa: F401  (cuda, ops: imported for their registrations)
+from . import (  # noqa: F401  (ops, weight_cache: imported for their registrations)
     backend,
-    cuda,  # registers the CUDA kernel families (no build until first CUDA call)
-    ops,  # registers torch.ops.quantfuse.*
+    ops,  # registers torch.ops.quantfuse.* (CUDA kernels load at the first CUDA call)
     weight_cache,  # registers torch.ops.quantfuse.weight_colsum
 )
 from .backend import quantfuse

@@ -13,9 +13,13 @@ rounded once to the output dtype.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from . import kernels
+
+log = logging.getLogger("quantfuse.ops")
 
 NAMESPACE = "quantfuse"
 
@@ -289,15 +293,83 @@ FAKES = {
 }
 
 
-def _cuda_impl(name):
+# The CUDA implementations of the public ops are registered in C++ (csrc/*/*_dispatch.cpp), so
+# that a call takes one dispatcher trip; where no kernel takes an input they call back into
+# these private ops with the reason, which is logged before the reference runs.
+REFERENCE_SCHEMAS = {
+    "scaled_mm": "_scaled_mm_reference(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, "
+    "ScalarType out_dtype, Tensor? bias, str reason) -> Tensor",
+    "scaled_mm_azp": "_scaled_mm_azp_reference(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, "
+    "ScalarType out_dtype, Tensor azp_adj, Tensor? azp, Tensor? bias, str reason) -> Tensor",
+    "awq_gemm": "_awq_gemm_reference(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, "
+    "int group_size, Tensor? bias, str reason) -> Tensor",
+    "awq_dequantize": "_awq_dequantize_reference(Tensor qweight, Tensor scales, Tensor qzeros, "
+    "int group_size, str reason) -> Tensor",
+}
+
+
+def _logged_reference(name):
     reference = REFERENCES[name]
 
-    def impl(*args, **kwargs):
-        out = kernels.try_cuda(name, args, kwargs)
-        return reference(*args, **kwargs) if out is None else out
+    def impl(*args):
+        *args, reason = args
+        log.debug("quantfuse.%s: reference runs: %s", name, reason)
+        return reference(*args)
 
-    impl.__name__ = f"{name}_cuda"
+    impl.__name__ = f"_{name}_reference"
     return impl
+
+
+def _cuda_bootstrap(name):
+    """The CUDA implementation until the kernels are loaded: the first call loads (or builds)
+    them, after which the C++ implementation serves this and every later call; if they
+    cannot be loaded, the reference runs."""
+    reference = _BOOTSTRAPPED[name]
+
+    def impl(*args, **kwargs):
+        if _load_kernels():
+            return getattr(torch.ops.quantfuse, name)(*args, **kwargs)
+        log.debug("quantfuse.%s: reference runs: the CUDA kernels are not available", name)
+        return reference(*args, **kwargs)
+
+    impl.__name__ = f"{name}_cuda_bootstrap"
+    return impl
+
+
+_bootstrap_lib: torch.library.Library | None = None
+# Op name -> the implementation that runs on CUDA when the kernels cannot be loaded.
+_BOOTSTRAPPED = dict(REFERENCES)
+
+
+def _install_bootstrap() -> None:
+    global _bootstrap_lib
+    _bootstrap_lib = torch.library.Library(NAMESPACE, "IMPL", "CUDA")
+    for name in _BOOTSTRAPPED:
+        _bootstrap_lib.impl(name, _cuda_bootstrap(name))
+
+
+def add_cuda_bootstrap(name: str, fallback) -> None:
+    """Gives another quantfuse op whose CUDA implementation lives in the kernels' library
+    (e.g. weight_colsum) the same first-call loading, with ``fallback`` when they can't load."""
+    _BOOTSTRAPPED[name] = fallback
+    if _bootstrap_lib is not None:
+        _bootstrap_lib.impl(name, _cuda_bootstrap(name))
+
+
+def _load_kernels() -> bool:
+    """Loads the CUDA kernels, whose library registers the public ops' CUDA implementations in
+    place of the bootstrap ones; True when they are loaded."""
+    global _bootstrap_lib
+    if kernels.status()["status"] == "loaded":
+        return True
+    if _bootstrap_lib is not None:
+        # Removed first, so that the library's registrations replace nothing.
+        _bootstrap_lib._destroy()
+        _bootstrap_lib = None
+    loaded = kernels.ensure_loaded()
+    if not loaded:
+        _install_bootstrap()
+    return loaded
 
 
 _lib = torch.library.Library(NAMESPACE, "DEF")
@@ -306,8 +378,10 @@ for _name, _schema in SCHEMAS.items():
     # hand a pass-inserted op a layout of its own choosing.
     _lib.define(_schema, tags=(torch.Tag.needs_fixed_stride_order,))
     _lib.impl(_name, REFERENCES[_name], "CompositeExplicitAutograd")
-    _lib.impl(_name, _cuda_impl(_name), "CUDA")
     torch.library.register_fake(f"{NAMESPACE}::{_name}", FAKES[_name], lib=_lib)
+    _lib.define(REFERENCE_SCHEMAS[_name])
+    _lib.impl(f"_{_name}_reference", _logged_reference(_name), "CompositeExplicitAutograd")
+_install_bootstrap()
 
 scaled_mm = torch.ops.quantfuse.scaled_mm
 scaled_mm_azp = torch.ops.quantfuse.scaled_mm_azp

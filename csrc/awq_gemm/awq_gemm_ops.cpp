@@ -11,6 +11,7 @@
 #include <optional>
 
 #include "awq_gemm/awq_gemm.h"
+#include "awq_gemm/awq_gemm_torch.h"
 #include "common/check.h"
 
 namespace {
@@ -38,6 +39,10 @@ void check_launch(cudaError_t err, const char* what) {
 }
 
 // qweight [K, N/8] int32 (AWQ order) -> fragment layout, same number of int32s.
+}  // namespace
+
+namespace quantfuse {
+
 at::Tensor awq_repack_cuda(const at::Tensor& qweight) {
   check_cuda_contig(qweight, "qweight");
   QF_CHECK(qweight.scalar_type() == at::kInt && qweight.dim() == 2, "quantfuse awq: 'qweight' must be 2-D int32");
@@ -55,6 +60,10 @@ at::Tensor awq_repack_cuda(const at::Tensor& qweight) {
   return out;
 }
 
+}  // namespace quantfuse
+
+namespace {
+
 void check_awq_args(const at::Tensor& scales, const at::Tensor& qzeros, int64_t K, int64_t N, int64_t group_size) {
   check_cuda_contig(scales, "scales");
   check_cuda_contig(qzeros, "qzeros");
@@ -66,6 +75,10 @@ void check_awq_args(const at::Tensor& scales, const at::Tensor& qzeros, int64_t 
   QF_CHECK(qzeros.scalar_type() == at::kInt && qzeros.dim() == 2 && qzeros.size(0) == groups && qzeros.size(1) == N / 8,
            "quantfuse awq: 'qzeros' must be int32 of shape (%lld, %lld)", (long long)groups, (long long)(N / 8));
 }
+
+}  // namespace
+
+namespace quantfuse {
 
 at::Tensor awq_dequantize_cuda(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& qzeros,
                                int64_t group_size) {
@@ -87,7 +100,15 @@ at::Tensor awq_dequantize_cuda(const at::Tensor& qweight, const at::Tensor& scal
   return out;
 }
 
+}  // namespace quantfuse
+
+namespace {
+
 // x [M, K] @ W (repacked by awq_repack_cuda) + bias.
+}  // namespace
+
+namespace quantfuse {
+
 at::Tensor awq_gemm_cuda(const at::Tensor& x, const at::Tensor& wpacked, const at::Tensor& scales,
                          const at::Tensor& qzeros, int64_t group_size, const std::optional<at::Tensor>& bias,
                          int64_t warps, int64_t splits, bool cluster) {
@@ -140,6 +161,10 @@ at::Tensor awq_gemm_cuda(const at::Tensor& x, const at::Tensor& wpacked, const a
   return out;
 }
 
+}  // namespace quantfuse
+
+namespace {
+
 int64_t awq_gemm_splits(int64_t M, int64_t N, int64_t K, bool bf16, int64_t device, int64_t warps) {
   return quantfuse::awq::gemm_splits(bf16 ? DType::kBFloat16 : DType::kHalf, (int)M, (int)N, (int)K, (int)device,
                                      (int)warps);
@@ -161,7 +186,7 @@ TORCH_LIBRARY_FRAGMENT(quantfuse, m) {
 }
 
 TORCH_LIBRARY_IMPL(quantfuse, CUDA, m) {
-  m.impl("_awq_repack_cuda", &awq_repack_cuda);
-  m.impl("_awq_dequantize_cuda", &awq_dequantize_cuda);
-  m.impl("_awq_gemm_cuda", &awq_gemm_cuda);
+  m.impl("_awq_repack_cuda", &quantfuse::awq_repack_cuda);
+  m.impl("_awq_dequantize_cuda", &quantfuse::awq_dequantize_cuda);
+  m.impl("_awq_gemm_cuda", &quantfuse::awq_gemm_cuda);
 }

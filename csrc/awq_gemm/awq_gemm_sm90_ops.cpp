@@ -16,6 +16,7 @@
 #include <tuple>
 
 #include "awq_gemm/awq_gemm_sm90.h"
+#include "awq_gemm/awq_gemm_torch.h"
 #include "common/check.h"
 #include "common/sm_count.h"
 
@@ -53,6 +54,10 @@ void check_cuda(cudaError_t err, const char* what) {
   QF_CHECK(err == cudaSuccess, "quantfuse awq_sm90: %s failed: %s", what, cudaGetErrorString(err));
 }
 
+}  // namespace
+
+namespace quantfuse {
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> awq_prepare_sm90_cuda(const at::Tensor& qweight,
                                                                      const at::Tensor& scales,
                                                                      const at::Tensor& qzeros, int64_t group_size) {
@@ -85,11 +90,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> awq_prepare_sm90_cuda(const at::T
   return {wq, scales_out, zeros};
 }
 
+}  // namespace quantfuse
+
+namespace {
+
 void* alloc_workspace(std::size_t bytes, void* ctx) {
   auto* holder = static_cast<at::Tensor*>(ctx);
   *holder = at::empty({static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA));
   return holder->data_ptr();
 }
+
+}  // namespace
+
+namespace quantfuse {
 
 at::Tensor awq_gemm_sm90_cuda(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
                               const at::Tensor& zeros, int64_t group_size, const std::optional<at::Tensor>& bias,
@@ -157,6 +170,10 @@ at::Tensor awq_gemm_sm90_cuda(const at::Tensor& x, const at::Tensor& wq, const a
   return rows == M ? out : out.narrow(0, 0, M);
 }
 
+}  // namespace quantfuse
+
+namespace {
+
 // The config the kernel picks by default (benchmarks); sm_count 0: an H100's 132.
 int64_t awq_sm90_config(int64_t M, int64_t N, int64_t K, int64_t group_size, int64_t sm_count) {
   return quantfuse::awq_sm90::choose_config(M, N, K, (int)group_size, (int)sm_count);
@@ -181,6 +198,6 @@ TORCH_LIBRARY_FRAGMENT(quantfuse, m) {
 }
 
 TORCH_LIBRARY_IMPL(quantfuse, CUDA, m) {
-  m.impl("_awq_prepare_sm90_cuda", &awq_prepare_sm90_cuda);
-  m.impl("_awq_gemm_sm90_cuda", &awq_gemm_sm90_cuda);
+  m.impl("_awq_prepare_sm90_cuda", &quantfuse::awq_prepare_sm90_cuda);
+  m.impl("_awq_gemm_sm90_cuda", &quantfuse::awq_gemm_sm90_cuda);
 }

@@ -19,6 +19,7 @@
 #include "common/check.h"
 #include "scaled_mm/qdtype_torch.h"
 #include "scaled_mm/scaled_mm_decode.h"
+#include "scaled_mm/scaled_mm_torch.h"
 
 namespace {
 
@@ -42,7 +43,11 @@ void check_vec(const at::Tensor& t, const char* name, at::ScalarType dtype, int6
     DECODE_FAIL("%s has %lld elements, expected %lld or %lld", name, ll(t.numel()), ll(n1), ll(n2));
 }
 
-at::Tensor decode(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a, const at::Tensor& scale_b,
+}  // namespace
+
+namespace quantfuse {
+
+at::Tensor scaled_mm_decode(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a, const at::Tensor& scale_b,
                   at::ScalarType out_dtype, const std::optional<at::Tensor>& bias,
                   const std::optional<at::Tensor>& azp_adj, const std::optional<at::Tensor>& azp, int64_t splits,
                   int64_t warps, int64_t batch) {
@@ -126,18 +131,22 @@ at::Tensor decode(const at::Tensor& a, const at::Tensor& b, const at::Tensor& sc
   return out;
 }
 
+}  // namespace quantfuse
+
+namespace {
+
 at::Tensor scaled_mm_decode_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
                                  const at::Tensor& scale_b, at::ScalarType out_dtype,
                                  const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& azp_adj,
                                  const std::optional<at::Tensor>& azp, int64_t splits) {
-  return decode(a, b, scale_a, scale_b, out_dtype, bias, azp_adj, azp, splits, -1, -1);
+  return quantfuse::scaled_mm_decode(a, b, scale_a, scale_b, out_dtype, bias, azp_adj, azp, splits, -1, -1);
 }
 
 // Benchmarks: every knob of the work split forced (-1: chosen).
 at::Tensor scaled_mm_decode_tune(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
                                  const at::Tensor& scale_b, at::ScalarType out_dtype,
                                  const std::optional<at::Tensor>& bias, int64_t splits, int64_t warps, int64_t batch) {
-  return decode(a, b, scale_a, scale_b, out_dtype, bias, std::nullopt, std::nullopt, splits, warps, batch);
+  return quantfuse::scaled_mm_decode(a, b, scale_a, scale_b, out_dtype, bias, std::nullopt, std::nullopt, splits, warps, batch);
 }
 
 // The work split the op would use (benchmarks, notes): [splits, warps, chunks_per_part, batch].

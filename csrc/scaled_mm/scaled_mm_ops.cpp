@@ -15,6 +15,7 @@
 #include "common/check.h"
 #include "scaled_mm/qdtype_torch.h"
 #include "scaled_mm/scaled_mm_launch.h"
+#include "scaled_mm/scaled_mm_torch.h"
 
 namespace quantfuse {
 
@@ -92,6 +93,8 @@ void* alloc_workspace(std::size_t bytes, void* ctx) {
 // config: -1 = choose by M/N, else a tile configuration index (tests, benchmarks).
 // swizzle, raster: the SM90 tile scheduler's raster swizzle and order (0 = the tile config's;
 // tests, benchmarks; ScaledMmParams).  The SM80 kernels ignore them.
+}  // namespace
+
 at::Tensor scaled_mm_cutlass(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
                              const at::Tensor& scale_b, at::ScalarType out_dtype,
                              const std::optional<at::Tensor>& bias,
@@ -185,7 +188,6 @@ at::Tensor scaled_mm_cutlass(const at::Tensor& a, const at::Tensor& b, const at:
   return out;
 }
 
-}  // namespace
 }  // namespace quantfuse
 
 TORCH_LIBRARY_FRAGMENT(quantfuse, m) {

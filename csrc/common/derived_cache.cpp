@@ -1,0 +1,142 @@
+// See derived_cache.h.
+#include "common/derived_cache.h"
+
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/util/intrusive_ptr.h>
+#include <torch/all.h>
+
+#include <exception>
+#include <map>
+#include <mutex>
+#include <thread>
+
+namespace quantfuse {
+namespace {
+
+struct Entry {
+  std::vector<c10::weak_intrusive_ptr<c10::TensorImpl>> refs;
+  std::vector<int64_t> versions;
+  std::vector<at::Tensor> values;
+};
+
+std::mutex g_mutex;
+std::map<std::vector<int64_t>, Entry> g_entries;
+int64_t g_computed = 0, g_hits = 0;
+
+void append_where(std::vector<int64_t>& key, const at::Tensor& t) {
+  key.push_back(reinterpret_cast<int64_t>(t.data_ptr()));
+  key.push_back(t.dim());
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    key.push_back(t.size(d));
+    key.push_back(t.stride(d));
+  }
+  key.push_back(static_cast<int64_t>(t.scalar_type()));
+  key.push_back(static_cast<int64_t>(t.device().type()) * 1024 + t.device().index());
+}
+
+bool alive(const Entry& e) {
+  for (const auto& r : e.refs)
+    if (r.expired()) return false;
+  return true;
+}
+
+bool capturing(const at::Tensor& t) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  const cudaError_t err = cudaStreamIsCapturing(at::cuda::getCurrentCUDAStream(t.device().index()).stream(), &status);
+  return err != cudaSuccess || status != cudaStreamCaptureStatusNone;
+}
+
+// make() on a worker thread and a side stream ordered after the caller's stream, so that its
+// allocations come from the ordinary pool even while the caller's thread allocates into a
+// CUDA graph's private pool (see derived_cache.h).
+std::vector<at::Tensor> make_outside_graph_pool(const at::Tensor& first, const DerivedMaker& make) {
+  const c10::Device device = first.device();
+  const c10::cuda::CUDAGuard device_guard(device);
+  const auto caller = at::cuda::getCurrentCUDAStream(device.index());
+  const auto side = at::cuda::getStreamFromPool(false, device.index());
+  at::cuda::CUDAEvent sources_ready;
+  sources_ready.record(caller);
+  std::vector<at::Tensor> values;
+  std::exception_ptr error;
+  std::thread worker([&] {
+    try {
+      const c10::cuda::CUDAGuard guard(device);
+      const c10::cuda::CUDAStreamGuard stream_guard(side);
+      const at::NoGradGuard no_grad;
+      sources_ready.block(side);
+      values = make();
+    } catch (...) {
+      error = std::current_exception();
+    }
+  });
+  worker.join();
+  if (error) std::rethrow_exception(error);
+  at::cuda::CUDAEvent made;
+  made.record(side);
+  made.block(caller);
+  for (const auto& v : values)
+    if (v.defined()) c10::cuda::CUDACachingAllocator::recordStream(v.storage().data_ptr(), caller);
+  return values;
+}
+
+}  // namespace
+
+std::vector<at::Tensor> derived(int kind, std::initializer_list<at::Tensor> sources, int64_t extra,
+                                const DerivedMaker& make) {
+  const at::Tensor& first = *sources.begin();
+  bool cacheable = !capturing(first);
+  std::vector<int64_t> key{kind, extra};
+  std::vector<int64_t> versions;
+  for (const auto& t : sources) {
+    append_where(key, t);
+    // Inference tensors keep no version counter: an in-place write could not be seen.
+    if (t.is_inference()) cacheable = false;
+    versions.push_back(t.is_inference() ? -1 : static_cast<int64_t>(t._version()));
+  }
+  if (!cacheable) {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    ++g_computed;
+  } else {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto it = g_entries.find(key);
+    if (it != g_entries.end() && it->second.versions == versions && alive(it->second)) {
+      ++g_hits;
+      return it->second.values;
+    }
+  }
+  if (!cacheable) return make();
+
+  std::vector<at::Tensor> values = make_outside_graph_pool(first, make);
+  Entry entry;
+  for (const auto& t : sources) entry.refs.emplace_back(t.getIntrusivePtr());
+  entry.versions = std::move(versions);
+  entry.values = values;
+  std::lock_guard<std::mutex> lock(g_mutex);
+  ++g_computed;
+  // Entries whose sources are gone can never be served again (their memory may be reused).
+  for (auto it = g_entries.begin(); it != g_entries.end();) it = alive(it->second) ? std::next(it) : g_entries.erase(it);
+  g_entries[key] = std::move(entry);
+  return values;
+}
+
+void clear_derived() {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  g_entries.clear();
+  g_computed = g_hits = 0;
+}
+
+std::vector<int64_t> derived_stats() {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  for (auto it = g_entries.begin(); it != g_entries.end();) it = alive(it->second) ? std::next(it) : g_entries.erase(it);
+  return {g_computed, g_hits, static_cast<int64_t>(g_entries.size())};
+}
+
+}  // namespace quantfuse
+
+TORCH_LIBRARY_FRAGMENT(quantfuse, m) {
+  m.def("_derived_cache_clear() -> ()", &quantfuse::clear_derived);
+  m.def("_derived_cache_stats() -> int[]", &quantfuse::derived_stats);
+}

@@ -1,0 +1,42 @@
+// Values derived from weights (repacked layouts, prepared zeros, column sums), made once per
+// weight and served from here on every later call (docs/DESIGN.md, "Values derived from
+// weights").
+//
+// An entry is keyed by where its source tensors' data lives (data pointer, sizes, strides,
+// dtype, device) and a kind; it is served only while every source is alive and its version
+// counter is unchanged (an in-place write through the tensor or a view of it bumps it).
+//
+// CUDA graphs: CUDA-graph trees warm a graph up with every allocation of the calling thread
+// routed into the graph's private pool, and refuse to record when a pool block outlives the
+// warm-up without being an output.  So a value is made on a worker thread, on a side stream
+// ordered after the caller's stream, which allocates from the ordinary pool.  While the
+// caller's stream is capturing, the value is made inline and not kept (it becomes part of
+// the graph).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+#include <initializer_list>
+#include <vector>
+
+namespace quantfuse {
+
+using DerivedMaker = std::function<std::vector<at::Tensor>()>;
+
+// The cached values for (kind, sources, extra), or make()'s.  `make` runs with the sources'
+// device and a current stream of its own; it must only launch work on the current stream.
+std::vector<at::Tensor> derived(int kind, std::initializer_list<at::Tensor> sources, int64_t extra,
+                                const DerivedMaker& make);
+
+// Kinds of derived values (one cache, distinct keys).
+enum DerivedKind : int { kAwqRepack = 1, kAwqPrepareSm90 = 2, kWeightColsum = 3 };
+
+// Drops every entry and zeroes the counts.
+void clear_derived();
+
+// {values made, values served from the cache, live entries}.
+std::vector<int64_t> derived_stats();
+
+}  // namespace quantfuse
