@@ -3,10 +3,13 @@
 CI has no GPU; this catches a kernel that does not compile.  Run it with a
 Python whose torch is a CUDA build (torch 2.14.1 from local disk on CI's
 machine).  Targets: sm_90a (what an H100 builds) and sm_80 (A100 class).
+Sources, flags and CUTLASS headers come from compile_backend/build_config.py,
+as for setup.py's ahead-of-time build and the JIT build.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -19,34 +22,33 @@ import torch
 from torch.utils import cpp_extension
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from compile_backend import kernels  # noqa: E402
+CSRC = ROOT / "csrc"
+_spec = importlib.util.spec_from_file_location("_quantfuse_build_config", ROOT / "compile_backend" / "build_config.py")
+build_config = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(build_config)
 
 ARCHES = os.environ.get("QUANTFUSE_CI_ARCHES", "90a,80").split(",")
 
 
 def command(source: Path, out: Path) -> list[str]:
-    includes = cpp_extension.include_paths(device_type="cuda") + [str(kernels.csrc_dir())]
-    includes += kernels.cutlass_include_dirs()
-    # The nvidia/cu13/include folder of a pip-installed CUDA torch holds the runtime headers.
-    cu_include = Path(torch.__file__).parents[1] / "nvidia" / "cu13" / "include"
-    if cu_include.is_dir():
-        includes.append(str(cu_include))
+    includes = cpp_extension.include_paths(device_type="cuda") + [str(CSRC)]
+    includes += build_config.cutlass_include_dirs()
+    includes += build_config.cuda_wheel_include_dirs(Path(torch.__file__).parent, cpp_extension.CUDA_HOME)
     includes.append(sysconfig.get_paths()["include"])
     gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in ARCHES]
     defines = ["-DTORCH_EXTENSION_NAME=quantfuse_C", "-DTORCH_API_INCLUDE_EXTENSION_H", "-D_GLIBCXX_USE_CXX11_ABI=1"]
     compiler = "nvcc" if source.suffix == ".cu" else "c++"
-    flags = kernels.nvcc_flags() + gencode + ["-Xcompiler", "-fPIC"] if compiler == "nvcc" else [
-        "-O1", f"-std={kernels.cxx_standard()}", "-fPIC"]
+    flags = build_config.nvcc_flags(torch.__version__) + gencode + ["-Xcompiler", "-fPIC"] if compiler == "nvcc" else [
+        "-O1", f"-std={build_config.cxx_standard(torch.__version__)}", "-fPIC"]
     return [compiler, "-c", str(source), "-o", str(out), *defines, *flags, *[f"-I{i}" for i in includes]]
 
 
 def main() -> int:
-    sources = kernels.sources()
+    sources = build_config.list_sources(CSRC)
     if not sources:
         print("compile_csrc: no sources under csrc/")
         return 0
-    if not kernels.cutlass_include_dirs():
+    if not build_config.cutlass_include_dirs():
         print("compile_csrc: CUTLASS headers not found (pip install nvidia-cutlass)")
         return 1
     out_dir = Path(os.environ.get("TMPDIR", "/tmp")) / "quantfuse_ci_objs"

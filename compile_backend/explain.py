@@ -7,7 +7,7 @@ import logging
 
 import torch
 
-log = logging.getLogger("compile_backend")
+log = logging.getLogger("quantfuse")
 
 
 def explain(model, *example_inputs, dynamic=None, options=None):

@@ -1,4 +1,4 @@
-"""Builds and loads the CUDA extension in ``csrc/``, and dispatches ops to it.
+"""Loads the CUDA kernels in ``csrc/`` (prebuilt, or built at first use), and dispatches ops to them.
 
 Each kernel family registers, under its op's name, a ``supports`` function
 (returns ``None`` when the kernel takes the inputs, else the reason it cannot)
@@ -6,16 +6,28 @@ and a ``launch`` function.  ``try_cuda`` is called by the ops' CUDA
 implementation: it returns the kernel's result, or ``None`` so that the
 reference runs, with a debug log line saying why.
 
-The extension is built at first use with ``torch.utils.cpp_extension`` (cached
-by torch under ``TORCH_EXTENSIONS_DIR``; ``python -m compile_backend.build``
-prebuilds it).  If it cannot be built or loaded, one warning is issued and the
-reference implementations run from then on.  Nothing here runs on a machine
-without CUDA: the CPU path never reaches ``try_cuda``.
+Where the kernels come from, at the first CUDA call (``ensure_loaded``):
+
+* a wheel built with ``QUANTFUSE_BUILD_CUDA=1`` carries them prebuilt, as
+  ``compile_backend/_C*.so``, loaded with ``torch.ops.load_library``; nothing
+  compiles.  It is used when it was built against this torch version and for
+  this GPU's architecture (``_C_build.json`` next to it says which);
+* otherwise (a source checkout, a CPU wheel, another GPU) the sources are
+  built with ``torch.utils.cpp_extension`` for the GPU present, cached by
+  torch under ``TORCH_EXTENSIONS_DIR``; ``python -m compile_backend.build``
+  builds them ahead of the first call.  ``QUANTFUSE_JIT=1`` skips the prebuilt
+  library (kernel development).
+
+The ``quantfuse.kernels`` logger says at INFO which one was used.  If neither
+can be loaded, one warning is issued and the reference implementations run from
+then on.  Nothing here runs on a machine without CUDA: the CPU path never
+reaches ``try_cuda``.  Sources, flags and include directories are those of
+``build_config``, which ``setup.py`` uses too.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import json
 import logging
 import os
 import re
@@ -29,10 +41,12 @@ from pathlib import Path
 
 import torch
 
-log = logging.getLogger(__name__)
+from . import build_config
+from .build_config import SOURCE_SUFFIXES, arch_list_for, cutlass_include_dirs  # noqa: F401  (part of this API)
+
+log = logging.getLogger("quantfuse.kernels")
 
 EXTENSION_NAME = "quantfuse_C"
-SOURCE_SUFFIXES = (".cu", ".cpp")
 
 
 @dataclass(frozen=True)
@@ -43,7 +57,7 @@ class KernelFamily:
 
 _families: dict[str, KernelFamily] = {}
 _lock = threading.Lock()
-_state = {"status": "unloaded", "error": None}
+_state = {"status": "unloaded", "error": None, "kernels": None, "library": None}
 
 
 _capabilities: dict[int, tuple[int, int]] = {}
@@ -74,7 +88,7 @@ def register(op_name: str, supports, launch) -> None:
 
 
 def csrc_dir() -> Path:
-    """The kernel sources: the repository's ``csrc/`` or the installed copy."""
+    """The kernel sources: the repository's ``csrc/`` or the copy installed in the package."""
     for candidate in (Path(__file__).resolve().parents[1] / "csrc", Path(__file__).parent / "csrc"):
         if candidate.is_dir():
             return candidate
@@ -90,13 +104,7 @@ def selected_families() -> list[str] | None:
 
 
 def sources() -> list[Path]:
-    root = csrc_dir()
-    only = selected_families()
-    return sorted(
-        p for p in root.rglob("*")
-        if p.suffix in SOURCE_SUFFIXES
-        and (only is None or any(p.relative_to(root).as_posix().startswith(f) for f in only))
-    )
+    return build_config.list_sources(csrc_dir(), selected_families())
 
 
 def extension_name() -> str:
@@ -106,49 +114,49 @@ def extension_name() -> str:
     return EXTENSION_NAME + "_" + "_".join(re.sub(r"\W", "_", f) for f in sorted(only))
 
 
-def cutlass_include_dirs() -> list[str]:
-    """CUTLASS headers from the ``nvidia-cutlass`` package, located without importing it."""
-    override = os.environ.get("QUANTFUSE_CUTLASS_INCLUDE")
-    if override:
-        return override.split(os.pathsep)
-    spec = importlib.util.find_spec("cutlass_library")
-    if spec is None or not spec.submodule_search_locations:
-        return []
-    root = Path(next(iter(spec.submodule_search_locations))) / "source"
-    dirs = [root / "include", root / "tools" / "util" / "include"]
-    return [str(d) for d in dirs if d.is_dir()]
-
-
-def arch_list_for(capability: tuple[int, int]) -> str:
-    """TORCH_CUDA_ARCH_LIST entry for a GPU: Hopper needs the arch-specific 90a target
-    for wgmma and TMA; older GPUs build for their own arch."""
-    major, minor = capability
-    return f"{major}.{minor}a" if (major, minor) == (9, 0) else f"{major}.{minor}"
-
-
 def cxx_standard() -> str:
-    """torch 2.14's headers need C++20; 2.11-2.13 build as C++17."""
-    major, minor = (int(v) for v in torch.__version__.split(".")[:2])
-    return "c++20" if (major, minor) >= (2, 14) else "c++17"
+    """The C++ standard for this torch's headers (see ``build_config.cxx_standard``)."""
+    return build_config.cxx_standard(torch.__version__)
 
 
 def nvcc_flags() -> list[str]:
-    """nvcc flags shared by the runtime build and CI's compile-only check."""
-    return [
-        "-O3",
-        f"-std={cxx_standard()}",
-        "--expt-relaxed-constexpr",
-        "--expt-extended-lambda",
-        "-DCUTLASS_ENABLE_TENSOR_CORE_MMA=1",
-        "-U__CUDA_NO_HALF_OPERATORS__",
-        "-U__CUDA_NO_HALF_CONVERSIONS__",
-        "-U__CUDA_NO_BFLOAT16_OPERATORS__",
-        "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
-    ]
+    """nvcc flags shared by the ahead-of-time build, the JIT build and CI's compile-only check."""
+    return build_config.nvcc_flags(torch.__version__)
+
+
+def prebuilt_library() -> Path | None:
+    """The library a CUDA wheel carries (``compile_backend/_C*.so``), or None."""
+    found = sorted(Path(__file__).parent.glob(build_config.PREBUILT_NAME + "*.so"))
+    return found[0] if found else None
+
+
+def _public_version(version: str) -> str:
+    return version.split("+")[0]
+
+
+def prebuilt_unusable(library: Path) -> str | None:
+    """Why the prebuilt library cannot serve this process (None: it can)."""
+    if os.environ.get("QUANTFUSE_JIT") == "1":
+        return "QUANTFUSE_JIT=1"
+    if selected_families() is not None:
+        return "QUANTFUSE_CSRC_ONLY is set"
+    info_path = library.parent / build_config.PREBUILT_INFO
+    try:
+        info = json.loads(info_path.read_text())
+    except (OSError, ValueError) as exc:
+        return f"no readable {info_path.name} ({exc})"
+    built_for, running = _public_version(info.get("torch", "?")), _public_version(torch.__version__)
+    if built_for != running:
+        return f"built against torch {built_for}, running torch {running}"
+    arch_list = info.get("arch_list", "")
+    cap = torch.cuda.get_device_capability()
+    if not build_config.arch_list_runs_on(arch_list, cap):
+        return f"built for {arch_list!r}, none of which runs on this GPU (sm_{cap[0]}{cap[1]})"
+    return None
 
 
 def build(verbose: bool = False):
-    """Compile and load the extension for the GPU present; returns the loaded library path."""
+    """Compile (JIT) and load the extension for the GPU present; True once loaded."""
     from torch.utils import cpp_extension
 
     srcs = sources()
@@ -168,7 +176,7 @@ def build(verbose: bool = False):
         name=extension_name(),
         sources=[str(s) for s in srcs],
         extra_include_paths=includes,
-        extra_cflags=["-O3", f"-std={cxx_standard()}"],
+        extra_cflags=build_config.cxx_flags(torch.__version__),
         extra_cuda_cflags=nvcc_flags(),
         is_python_module=False,
         verbose=verbose,
@@ -177,8 +185,38 @@ def build(verbose: bool = False):
     return True
 
 
+def _load() -> bool:
+    """Load the prebuilt library where it can serve, else build from source; raises on failure."""
+    library = prebuilt_library()
+    prebuilt_error = None
+    if library is not None:
+        reason = prebuilt_unusable(library)
+        if reason is None:
+            try:
+                torch.ops.load_library(str(library))
+            except Exception as exc:  # e.g. a torch or CUDA runtime it was not built against
+                prebuilt_error = exc
+                log.info("prebuilt CUDA kernels %s failed to load (%r); building from source", library, exc)
+            else:
+                _state["kernels"], _state["library"] = "prebuilt", str(library)
+                log.info("loaded the prebuilt CUDA kernels %s", library)
+                return True
+        else:
+            log.info("prebuilt CUDA kernels %s not used: %s; building from source", library, reason)
+    try:
+        built = build()
+    except Exception as exc:
+        if prebuilt_error is not None:
+            raise RuntimeError(f"prebuilt library: {prebuilt_error!r}; build from source: {exc!r}") from exc
+        raise
+    if built:
+        _state["kernels"] = "jit"
+        log.info("loaded the CUDA kernels built from %s (JIT, %s)", csrc_dir(), extension_name())
+    return bool(built)
+
+
 def ensure_loaded() -> bool:
-    """True when the extension is loaded; builds it on first call. Never raises."""
+    """True when the kernels are loaded; loads or builds them on first call. Never raises."""
     if _state["status"] == "loaded":
         return True
     if _state["status"] in ("failed", "absent"):
@@ -190,7 +228,7 @@ def ensure_loaded() -> bool:
             _state["status"] = "absent"
             return False
         try:
-            _state["status"] = "loaded" if build() else "absent"
+            _state["status"] = "loaded" if _load() else "absent"
         except Exception as exc:  # any build or load failure: run the references instead
             _state["status"], _state["error"] = "failed", exc
             warnings.warn(
@@ -219,5 +257,6 @@ def try_cuda(op_name: str, args: tuple, kwargs: dict):
 
 
 def status() -> dict:
-    """What the loader knows: 'unloaded', 'loaded', 'failed' (with the error) or 'absent'."""
-    return {"status": _state["status"], "error": _state["error"], "families": sorted(_families)}
+    """What the loader knows: 'unloaded', 'loaded', 'failed' (with the error) or 'absent'; once
+    loaded, which kernels ('prebuilt' with the library's path, or 'jit')."""
+    return {**_state, "families": sorted(_families)}

@@ -285,7 +285,7 @@ def test_fallback_unsupported_n(caplog):
     K, N = 256, 40  # N not a multiple of 64
     qw, s, qz, G, q, z = make_awq(K, N, 64, torch.float16, gen)
     x = make_x(3, K, torch.float16, gen)
-    with caplog.at_level(logging.DEBUG, logger="compile_backend.kernels"):
+    with caplog.at_level(logging.DEBUG, logger="quantfuse.kernels"):
         out = torch.ops.quantfuse.awq_gemm(x, qw, s, qz, G)
     assert "not a multiple of 64" in caplog.text
     ref, mag = reference64(x, q, z, s, G)  # the op's reference ran

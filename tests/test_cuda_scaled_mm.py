@@ -267,7 +267,7 @@ def test_unsupported_inputs_fall_back(caplog):
     }
     for name, (aa, bb) in cases.items():
         assert qsm.supports(aa, bb, sa, sb[: bb.shape[1]], torch.float16, bias[: bb.shape[1]]) is not None, name
-        with caplog.at_level(logging.DEBUG, logger="compile_backend.kernels"):
+        with caplog.at_level(logging.DEBUG, logger="quantfuse.kernels"):
             out = ops.scaled_mm(aa, bb, sa, sb[: bb.shape[1]], torch.float16, bias[: bb.shape[1]])
         ref = ref_epilogue(exact_acc(aa, bb), sa, sb[: bb.shape[1]], torch.float16, bias[: bb.shape[1]])
         check(out, ref, torch.float16)

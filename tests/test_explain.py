@@ -40,7 +40,7 @@ class Mixed(torch.nn.Module):
 def test_explain_lists_fused_and_unfused_with_reasons(caplog):
     model = Mixed().eval()
     x = torch.randn(5, K, generator=torch.Generator().manual_seed(1))
-    with caplog.at_level(logging.INFO, logger="compile_backend"):
+    with caplog.at_level(logging.INFO, logger="quantfuse"):
         report = compile_backend.explain(model, x)
     assert report.counts() == {"scaled_mm": 1}
     (fused,) = report.fused
@@ -53,5 +53,5 @@ def test_explain_lists_fused_and_unfused_with_reasons(caplog):
     assert "does not match activation of shape [5, 3, 8]" in unfused.reason, unfused.reason
     text = str(report)
     assert "fused    scaled_mm" in text and "unfused" in text and "does not match activation" in text
-    # The report also goes to the compile_backend logger.
+    # The report also goes to the quantfuse logger.
     assert any("fused 1 subgraph(s), left 1 candidate(s)" in r.getMessage() for r in caplog.records)

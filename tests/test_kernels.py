@@ -14,8 +14,9 @@ from compile_backend import kernels
 
 @pytest.fixture
 def fresh_loader(monkeypatch):
-    monkeypatch.setattr(kernels, "_state", {"status": "unloaded", "error": None})
+    monkeypatch.setattr(kernels, "_state", {"status": "unloaded", "error": None, "kernels": None, "library": None})
     monkeypatch.setattr(kernels, "_families", dict(kernels._families))
+    monkeypatch.setattr(kernels, "prebuilt_library", lambda: None)  # as in a source checkout
     return kernels
 
 
@@ -41,7 +42,7 @@ def test_cpu_machine_does_nothing_and_prints_nothing():
 
 def test_unsupported_input_runs_reference_with_debug_reason(fresh_loader, caplog):
     fresh_loader.register("scaled_mm", lambda *a, **k: "K = 24 is not a multiple of 16", lambda *a, **k: 1 / 0)
-    with caplog.at_level(logging.DEBUG, logger="compile_backend.kernels"):
+    with caplog.at_level(logging.DEBUG, logger="quantfuse.kernels"):
         assert fresh_loader.try_cuda("scaled_mm", (), {}) is None
     assert "scaled_mm: reference runs: K = 24 is not a multiple of 16" in caplog.text
 
@@ -58,7 +59,7 @@ def test_build_failure_warns_once_then_references_run(fresh_loader, monkeypatch,
     fresh_loader.register("awq_gemm", lambda *a, **k: None, lambda *a, **k: 1 / 0)
     with pytest.warns(RuntimeWarning, match="could not be built or loaded.*nvcc not found"):
         assert fresh_loader.try_cuda("awq_gemm", (), {}) is None
-    with caplog.at_level(logging.DEBUG, logger="compile_backend.kernels"):
+    with caplog.at_level(logging.DEBUG, logger="quantfuse.kernels"):
         import warnings
 
         with warnings.catch_warnings():
