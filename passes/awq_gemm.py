@@ -432,7 +432,7 @@ def _plan(v: _Variant, match: Match) -> Plan:
 
     inputs = {"x": match.kwargs["x"], "qweight": fusion.qweight, "scales": match.kwargs["scales"],
               "qzeros": fusion.qzeros}
-    return Plan(inputs, build, fusion.detail, form=fusion.form)
+    return Plan(inputs, build, fusion.detail, tensor_val(match.kwargs["x"]).dtype, form=fusion.form)
 
 
 # --------------------------------------------------------------------------- bias folding

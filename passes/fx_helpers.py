@@ -118,6 +118,7 @@ class Plan:
     inputs: dict  # name -> Node or constant, in the order the replacement takes them
     build: Callable
     detail: str
+    out_dtype: torch.dtype  # what the replacement returns
     extra: dict = field(default_factory=dict)
     form: str | None = None
 
@@ -154,7 +155,13 @@ def register_checked(pattern: PatternExpr, passes, family: str, form: str | None
 
     def extra_check(match: Match) -> bool:
         try:
-            match.quantfuse_plan = plan_fn(match)
+            plan = plan_fn(match)
+            # The replacement returns the source's dtype, whatever the checks concluded.
+            source = tensor_val(match.output_node())
+            require(source is not None and plan.out_dtype == source.dtype,
+                    f"the fused op would return {plan.out_dtype} where the source returns "
+                    f"{getattr(source, 'dtype', None)}")
+            match.quantfuse_plan = plan
             return True
         except Reject as exc:
             mm = matmul_node(match)
@@ -310,7 +317,14 @@ def check_dequant_matmul(match: Match, *, viewed: bool, zero_point: bool) -> Deq
     kw = match.kwargs
     a, w = val(kw["a"]), val(kw["w"])
     check_quantized_pair(a, w, kw["a_dt"], kw["w_dt"], zero_point=zero_point)
-    out_dtype = kw["a_dt"]
+    # The op returns what the source's matmul returns.  Type promotion decides that, not
+    # the casts: ``a.to(float16) * scale_f32`` (a [M, 1] scale) is float32, and so is the
+    # matmul of it.  The int8/fp8 -> dt casts are exact, so the float32 epilogue computes
+    # what the source computes.
+    out = tensor_val(match.output_node())
+    require(out is not None and out.dtype in OUT_DTYPES,
+            f"the matmul computes in {getattr(out, 'dtype', None)}; expected float16, bfloat16 or float32")
+    out_dtype = out.dtype
     sa_kind = activation_scale_kind(val(kw["scale_a"]), a)
     sb_kind = weight_scale_kind(val(kw["scale_b"]), w)
     check_view(match, a, viewed)

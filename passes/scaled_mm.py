@@ -30,7 +30,9 @@ copy the weight per call.
 
 Checks (a candidate failing one is left alone, and the reason is remembered on
 its matmul node for the report): quantized dtypes (int8 / float8_e4m3fn, the
-same on both sides), dequant dtype and output dtype float16/bfloat16/float32,
+same on both sides), dequant dtype and output dtype float16/bfloat16/float32
+(the output dtype is the source matmul's own, type promotion included: a
+float16 dequantization times float32 scale tensors is a float32 matmul),
 ``scale_a`` per-tensor or per-token (shape ``[*lead, 1]`` of the activation),
 ``scale_b`` per-tensor or per-output-channel (``[N, 1]`` on the weight, ``[N]``
 or ``[1, N]`` on the output), floating scales, views that only flatten the
@@ -140,7 +142,7 @@ def plan_dequant_matmul(match: Match, *, form: str, viewed: bool) -> Plan:
     if bias is not None:
         inputs["bias"] = bias
     detail = f"{a.dtype} {sa_kind} x {sb_kind} in {out_dtype}".replace("torch.", "")
-    return Plan(inputs, build, detail)
+    return Plan(inputs, build, detail, out_dtype)
 
 
 def plan_int_mm(match: Match, *, form: str) -> Plan:
@@ -170,7 +172,7 @@ def plan_int_mm(match: Match, *, form: str) -> Plan:
     inputs = {"a": kw["a"], "w": kw["w"], "scale_a": kw[sa_name], "scale_b": kw[sb_name]}
     sa_kind = "per-token" if rows else "per-tensor"
     sb_kind = "per-channel" if cols else "per-tensor"
-    return Plan(inputs, build, f"int8 {sa_kind} x {sb_kind} in float32")
+    return Plan(inputs, build, f"int8 {sa_kind} x {sb_kind} in float32", F32)
 
 
 # --------------------------------------------------------------------------- registration

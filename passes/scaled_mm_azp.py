@@ -122,7 +122,7 @@ def plan_dequant_matmul_azp(match: Match, *, form: str, viewed: bool) -> Plan:
     if bias is not None:
         inputs["bias"] = bias
     detail = f"int8 {sa_kind} x {sb_kind}, {z_kind} zero point, in {out_dtype}".replace("torch.", "")
-    return Plan(inputs, build, detail)
+    return Plan(inputs, build, detail, out_dtype)
 
 
 def register(passes: dict[str, PatternMatcherPass]) -> None:

@@ -412,3 +412,81 @@ def test_python_number_scales():
         r = apply_passes(f, a, w, sa, sb, bias)
         assert r.fused == 1 and r.count(*MATMULS) == 0, graph_str(r.after)
         _close(TestCase(), r.output, r.expected, torch.float32)
+
+
+# --------------------------------------------------------------------------- output dtype = the source graph's
+
+
+def _promoting_dequant(dq, per_token, per_channel, bias_kind):
+    """Dequantization written in ``dq`` (fp16/bf16) with float32 scale tensors of per-token
+    ``[M, 1]`` / per-channel ``[N, 1]`` shape: type promotion makes the products, the matmul
+    and the result float32 in eager, although every cast in the graph says ``dq``."""
+
+    def fn(a, w, sa, sb, bias):
+        x = a.to(dq) * (sa if per_token else sa.reshape(()))
+        wd = w.to(dq) * (sb[:, None] if per_channel else sb.reshape(()))
+        b = None if bias_kind is None else bias.float() if bias_kind == "float32" else bias
+        return F.linear(x, wd, b)
+
+    return fn
+
+
+PROMOTION_CASES = [
+    # (dequant dtype, per-token f32 scale, per-channel f32 scale, bias)
+    (torch.float16, True, True, None),
+    (torch.bfloat16, True, True, None),
+    (torch.float16, True, True, "float32"),
+    (torch.bfloat16, True, True, "float32"),
+]
+
+
+@pytest.mark.parametrize("dq,per_token,per_channel,bias_kind", PROMOTION_CASES, ids=str)
+@pytest.mark.parametrize("three_d", [False, True])
+def test_output_dtype_follows_type_promotion(dq, per_token, per_channel, bias_kind, three_d):
+    """``a.to(fp16) * scale_f32`` is float32 in eager: the fused op must return float32 (a float16
+    output overflows to inf where eager is finite, and rounds everywhere else)."""
+    lead = (2, 3) if three_d else (M,)
+    a, w, sa, sb, bias = _inputs(lead=lead, bias_dtype=torch.float32)
+    # Scales large enough that the float32 result exceeds float16's range (65504).
+    sa, sb = sa * 200.0, sb * 200.0
+    r = apply_passes(_promoting_dequant(dq, per_token, per_channel, bias_kind), a, w, sa, sb, bias)
+    assert r.expected.dtype == torch.float32
+    assert r.expected.abs().max() > torch.finfo(torch.float16).max and r.expected.isfinite().all()
+    assert r.fused == 1 and r.count(*MATMULS) == 0, graph_str(r.after)
+    (op,) = [n for n in r.after.graph.nodes if n.target is SCALED_MM]
+    assert op.args[4] == torch.float32 and op.meta["val"].dtype == torch.float32
+    assert r.output.dtype == torch.float32 and r.output.isfinite().all()
+    # The products are exact in float32 here (integers times float32 scales): float32 dequant tolerance.
+    _close(TestCase(), r.output, r.expected, torch.float32)
+
+
+@pytest.mark.parametrize("dq", [torch.float16, torch.bfloat16], ids=str)
+def test_output_dtype_without_promotion_stays(dq):
+    """One-element (0-dim) float32 scales do not promote a ``dq`` tensor: the result stays ``dq``."""
+    a, w, sa, sb, bias = _inputs(per_token=False, per_channel=False)
+    r = apply_passes(_promoting_dequant(dq, False, False, None), a, w, sa, sb, bias)
+    assert r.expected.dtype == dq
+    (op,) = [n for n in r.after.graph.nodes if n.target is SCALED_MM]
+    assert op.args[4] == dq and r.output.dtype == dq
+    _close(TestCase(), r.output, r.expected, dq)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("dq", [torch.float16, torch.bfloat16], ids=str)
+def test_compiled_output_dtype_follows_type_promotion(dq):
+    """Through ``torch.compile(backend="quantfuse")``: same dtype as eager, finite where eager is."""
+    from compile_backend.passes import collecting_report
+
+    a, w, sa, sb, bias = _inputs(lead=(2, 3))
+    sa, sb = sa * 200.0, sb * 200.0
+    fn = _promoting_dequant(dq, True, True, None)
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="quantfuse", options={"fx_graph_cache": False})
+    with torch.no_grad(), collecting_report() as report:
+        out = compiled(a, w, sa, sb, bias)
+        expected = fn(a, w, sa, sb, bias)
+    torch._dynamo.reset()
+    assert report.counts() == {"scaled_mm": 1}
+    assert out.dtype == expected.dtype == torch.float32
+    assert torch.equal(out.isfinite(), expected.isfinite())
+    _close(TestCase(), out, expected, torch.float32)

@@ -205,3 +205,20 @@ def test_compiled_azp_module_computes_colsum_once():
             _close(r.compiled(x), mod(x))
     assert weight_cache.stats["computed"] == 1, weight_cache.stats
     assert weight_cache.stats["hits"] == 2, weight_cache.stats
+
+
+@pytest.mark.parametrize("dq", [torch.float16, torch.bfloat16], ids=str)
+def test_output_dtype_follows_type_promotion(dq):
+    """``(a.to(fp16) - z) * scale_f32``: float32 in eager, so the fused op returns float32."""
+    a, w, sa, za, sb, bias = _inputs()
+    sa, sb = sa * 200.0, sb * 200.0
+
+    def fn(a, w, sa, za, sb, bias):
+        return F.linear((a.to(dq) - za.to(dq)) * sa, w.to(dq) * sb[:, None])
+
+    r = apply_passes(fn, a, w, sa, za, sb, bias)
+    assert r.expected.dtype == torch.float32
+    assert r.expected.abs().max() > torch.finfo(torch.float16).max and r.expected.isfinite().all()
+    (op,) = [n for n in r.after.graph.nodes if n.target is AZP]
+    assert op.args[4] == torch.float32 and r.output.dtype == torch.float32
+    _close(r.output, r.expected)
