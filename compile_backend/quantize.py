@@ -107,11 +107,58 @@ def quantize_weight_awq(weight: torch.Tensor, group_size: int, dtype=torch.float
     return qweight, qzeros, scales
 
 
+# --------------------------------------------------------------------------- dtype conversions
+
+
+def _target(fn, like: torch.Tensor) -> torch.Tensor:
+    """What ``fn`` (a function ``nn.Module._apply`` maps over tensors) makes of an empty tensor
+    like ``like``: its dtype and device say whether ``fn`` converts dtypes, and to what."""
+    return fn(torch.empty(0, dtype=like.dtype, device=like.device))
+
+
+def _apply_keeping_dtypes(module: nn.Module, fn, recurse: bool, names) -> None:
+    """``nn.Module._apply(fn)``, except that each buffer in ``names`` keeps its dtype.
+
+    Where ``fn`` keeps a buffer's dtype (``.to(device)``, ``.cuda()``, ``share_memory_``,
+    ``to_empty``) it is applied as usual; where it would convert the dtype
+    (``.to(dtype)``, ``.half()``, ``.bfloat16()``, ``.float()``, ``.type()``) the buffer
+    only follows ``fn``'s device.  Nothing changes if ``fn`` raises.
+    """
+    kept = {}
+    for name in names:
+        t = module._buffers.get(name)
+        if t is None:
+            continue
+        probe = _target(fn, t)
+        if probe.dtype != t.dtype:
+            kept[name] = (t, t.to(device=probe.device))
+    for name in kept:
+        module._buffers[name] = None  # nn.Module._apply skips None buffers; the slot keeps its order
+    try:
+        nn.Module._apply(module, fn, recurse)
+    except BaseException:
+        for name, (old, _) in kept.items():
+            module._buffers[name] = old
+        raise
+    for name, (_, new) in kept.items():
+        module._buffers[name] = new
+
+
 # --------------------------------------------------------------------------- W8A8
 
 
 class W8A8Linear(nn.Module):
-    """y = dequant(quant(x)) @ dequant(w).T + bias, in the dequantize-then-matmul form."""
+    """y = dequant(quant(x)) @ dequant(w).T + bias, in the dequantize-then-matmul form.
+
+    Float dtype conversions of the module (``.to(dtype)``, ``.half()``, ``.bfloat16()``,
+    ``.float()``) change the activation/output dtype only: ``out_dtype`` and ``bias``
+    follow the new dtype, while the quantized ``weight`` (int8 or float8) and the float32
+    ``weight_scale`` / ``input_scale`` and int32 ``input_zero_point`` keep their dtypes
+    (converting them would dequantize FP8 weights or round scales).  Device moves move
+    everything.
+    """
+
+    _QUANTIZED = ("weight", "weight_scale", "input_scale", "input_zero_point")
 
     def __init__(
         self,
@@ -205,6 +252,14 @@ class W8A8Linear(nn.Module):
         y = F.linear(x_dq, w_dq, bias).to(self.out_dtype)
         return y.reshape(*lead, self.out_features)
 
+    def _apply(self, fn, recurse=True):
+        target = _target(fn, torch.empty(0, dtype=self.out_dtype, device=self.weight.device)).dtype
+        keep = self._QUANTIZED if target.is_floating_point else (*self._QUANTIZED, "bias")
+        _apply_keeping_dtypes(self, fn, recurse, keep)
+        if target.is_floating_point:
+            self.out_dtype = target
+        return self
+
     def extra_repr(self) -> str:
         return (
             f"{self.in_features}, {self.out_features}, weight={self.weight_dtype}, "
@@ -217,19 +272,37 @@ class W8A8Linear(nn.Module):
 
 
 class AWQLinear(nn.Module):
-    """W4A16 linear layer holding AWQ-format weights; dequantizes in the activation dtype."""
+    """W4A16 linear layer holding AWQ-format weights; dequantizes in the activation dtype.
+
+    ``group_size`` is a positive divisor of ``in_features``, or -1 (or 0) for one group
+    (per-channel).
+
+    The format keeps ``scales`` (and ``bias``) in the activation dtype, float16 or
+    bfloat16.  Dtype conversions of the module follow that: ``.half()`` / ``.bfloat16()``
+    / ``.to(float16 or bfloat16)`` convert ``scales`` and ``bias`` (float16 <-> bfloat16
+    rounds them: that is what was asked for), and the layer then computes in the new
+    dtype.  A conversion to a dtype the format cannot hold (``.float()``, ``.double()``)
+    leaves ``scales`` and ``bias`` as they are: the layer keeps computing in their dtype,
+    casting its input to it and its output to the new dtype (``out_dtype``).  The packed
+    ``qweight`` / ``qzeros`` never change dtype.  Device moves move everything.
+    """
 
     def __init__(self, in_features: int, out_features: int, *, group_size: int = 128,
                  bias: bool = True, dtype: torch.dtype = torch.float16):
         super().__init__()
+        for name, value in (("in_features", in_features), ("out_features", out_features)):
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"AWQLinear: {name} {value!r}; expected a positive integer")
         group_size = in_features if group_size in (-1, 0) else group_size
-        if in_features % group_size != 0:
-            raise ValueError(f"AWQLinear: group_size {group_size} does not divide in_features {in_features}")
+        if not isinstance(group_size, int) or group_size <= 0 or in_features % group_size != 0:
+            raise ValueError(f"AWQLinear: group_size {group_size!r}; expected a positive divisor of in_features "
+                             f"{in_features}, or -1 for one group per output channel")
         if out_features % AWQ_PACK != 0:
             raise ValueError(f"AWQLinear: out_features {out_features} is not a multiple of {AWQ_PACK}")
         if dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"AWQLinear: dtype {dtype}; expected torch.float16 or torch.bfloat16")
         self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        self.out_dtype = dtype
         groups, packed = in_features // group_size, out_features // AWQ_PACK
         self.register_buffer("qweight", torch.zeros(in_features, packed, dtype=torch.int32))
         self.register_buffer("qzeros", torch.zeros(groups, packed, dtype=torch.int32))
@@ -250,16 +323,45 @@ class AWQLinear(nn.Module):
 
     @classmethod
     def from_state_dict(cls, state: dict, prefix: str = "", group_size: int | None = None):
-        """Build from an AutoAWQ-format state dict (``qweight``, ``qzeros``, ``scales``, ``bias``)."""
+        """Build from an AutoAWQ-format state dict (``qweight``, ``qzeros``, ``scales``, ``bias``).
+
+        The group size is read from the shapes (``K / scales.shape[0]``).  Malformed
+        entries raise ``ValueError`` naming the key; so does an act-order ``g_idx`` that
+        is not the in-order grouping (this layer cannot permute input channels).
+        """
+        keys = {k: prefix + k for k in ("qweight", "qzeros", "scales", "bias", "g_idx")}
         try:
-            qweight, qzeros, scales = (state[prefix + k] for k in ("qweight", "qzeros", "scales"))
+            qweight, qzeros, scales = (state[keys[k]] for k in ("qweight", "qzeros", "scales"))
         except KeyError as exc:
             raise KeyError(f"AWQLinear.from_state_dict: missing {exc.args[0]!r} in the state dict") from None
+
+        def bad(key, t, expected):
+            raise ValueError(f"AWQLinear.from_state_dict: {keys[key]!r} has shape {tuple(t.shape)}, dtype {t.dtype}; "
+                             f"expected {expected}")
+
+        if qweight.dim() != 2 or qweight.dtype != torch.int32 or 0 in qweight.shape:
+            bad("qweight", qweight, "a non-empty 2-D int32 tensor [K, N/8]")
         K, N = qweight.shape[0], qweight.shape[1] * AWQ_PACK
-        inferred = K // scales.shape[0]
+        if scales.dim() != 2 or scales.shape[1] != N or scales.dtype not in (torch.float16, torch.bfloat16):
+            bad("scales", scales, f"a 2-D float16 or bfloat16 tensor [K/group_size, N] with N = {N} from 'qweight'")
+        rows = scales.shape[0]
+        if rows == 0 or K % rows != 0:
+            bad("scales", scales, f"K/group_size rows, a divisor of K = {K} from 'qweight'")
+        inferred = K // rows
         if group_size is not None and group_size != inferred:
-            raise ValueError(f"AWQLinear.from_state_dict: group_size {group_size} but 'scales' implies {inferred}")
-        bias = state.get(prefix + "bias")
+            raise ValueError(f"AWQLinear.from_state_dict: group_size {group_size} but {keys['scales']!r} "
+                             f"(shape {tuple(scales.shape)}) implies {inferred} for K = {K}")
+        if qzeros.dtype != torch.int32 or tuple(qzeros.shape) != (rows, N // AWQ_PACK):
+            bad("qzeros", qzeros, f"int32 of shape ({rows}, {N // AWQ_PACK}) = (K/group_size, N/8)")
+        bias = state.get(keys["bias"])
+        if bias is not None and (bias.dim() != 1 or bias.shape[0] != N):
+            bad("bias", bias, f"a 1-D tensor of N = {N} elements")
+        g_idx = state.get(keys["g_idx"])
+        if g_idx is not None:
+            in_order = torch.arange(K, device=g_idx.device) // inferred
+            if tuple(g_idx.shape) != (K,) or not torch.equal(g_idx.to(in_order.dtype), in_order):
+                raise ValueError(f"AWQLinear.from_state_dict: {keys['g_idx']!r} assigns input channels to groups out "
+                                 "of order (act-order / desc_act); AWQLinear groups them in order and cannot load it")
         mod = cls(K, N, group_size=inferred, bias=bias is not None, dtype=scales.dtype)
         mod.load_state_dict({k: v for k, v in
                              dict(qweight=qweight, qzeros=qzeros, scales=scales, bias=bias).items()
@@ -273,12 +375,26 @@ class AWQLinear(nn.Module):
         return (w - z).to(self.scales.dtype) * self.scales.repeat_interleave(self.group_size, dim=0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        compute = self.scales.dtype
+        if self.out_dtype != compute:  # converted to a dtype the format cannot hold (see the class doc)
+            x = x.to(compute)
         y = torch.matmul(x, self.dequantized_weight())
-        return y if self.bias is None else y + self.bias
+        y = y if self.bias is None else y + self.bias
+        return y if self.out_dtype == compute else y.to(self.out_dtype)
+
+    def _apply(self, fn, recurse=True):
+        target = _target(fn, torch.empty(0, dtype=self.out_dtype, device=self.qweight.device)).dtype
+        in_format = target in (torch.float16, torch.bfloat16)
+        _apply_keeping_dtypes(self, fn, recurse, ("qweight", "qzeros") if in_format else
+                              ("qweight", "qzeros", "scales", "bias"))
+        if target.is_floating_point:
+            self.out_dtype = target
+        return self
 
     def extra_repr(self) -> str:
+        out = "" if self.out_dtype == self.scales.dtype else f", out_dtype={self.out_dtype}"
         return (f"{self.in_features}, {self.out_features}, group_size={self.group_size}, "
-                f"dtype={self.scales.dtype}, bias={self.bias is not None}")
+                f"dtype={self.scales.dtype}{out}, bias={self.bias is not None}")
 
 
 # --------------------------------------------------------------------------- model conversion
@@ -311,32 +427,71 @@ SCHEMES = {
 }
 
 
+def _replaceable_linears(module: nn.Module, skip, prefix: str = ""):
+    """(parent, attribute name, nn.Linear, qualified name) for every linear ``quantize_model`` replaces."""
+    for name, child in module.named_children():
+        if name in skip:
+            continue
+        qualified = f"{prefix}{name}"
+        if isinstance(child, nn.Linear):
+            yield module, name, child, qualified
+        else:
+            yield from _replaceable_linears(child, skip, qualified + ".")
+
+
+def _check_linear(linear: nn.Linear, scheme: Scheme) -> None:
+    """The shape checks the quantized module's constructor makes, without quantizing anything."""
+    if scheme.kind == "awq":
+        K, N = linear.in_features, linear.out_features
+        group = K if scheme.group_size in (-1, 0) else scheme.group_size
+        if group <= 0 or K % group != 0:
+            raise ValueError(f"group_size {scheme.group_size} does not divide in_features {K}")
+        if N % AWQ_PACK != 0:
+            raise ValueError(f"out_features {N} is not a multiple of {AWQ_PACK}")
+
+
+def _quantize_linear(linear: nn.Linear, scheme: Scheme, dtype) -> nn.Module:
+    out_dtype = dtype or linear.weight.dtype
+    if scheme.kind == "awq":
+        act = out_dtype if out_dtype in (torch.float16, torch.bfloat16) else torch.float16
+        return AWQLinear.from_linear(linear, group_size=scheme.group_size, dtype=act)
+    return W8A8Linear.from_linear(
+        linear, weight_dtype=scheme.weight_dtype, per_channel=scheme.per_channel,
+        per_token=scheme.per_token, symmetric=scheme.symmetric, out_dtype=out_dtype)
+
+
 def quantize_model(model: nn.Module, scheme, *, dtype: torch.dtype = None, skip=("lm_head",)) -> nn.Module:
     """Replace every ``nn.Linear`` (except names in ``skip``) with its quantized form, in place.
 
     ``scheme`` is a ``Scheme`` or one of ``SCHEMES``' names.  ``dtype`` is the
     activation/output dtype (default: the linear weight's dtype, float16 for AWQ
     when that is float32).  Returns the model.
+
+    All or nothing: every layer is checked, then every replacement is made, and only
+    then are they swapped in, so a layer that cannot be quantized (e.g. a K that the
+    group size does not divide) raises ``ValueError`` naming it and leaves the model as
+    it was.  A linear shared by several parents gets one shared replacement.
     """
     if isinstance(scheme, str):
         if scheme not in SCHEMES:
             raise ValueError(f"quantize_model: scheme {scheme!r}; expected one of {sorted(SCHEMES)}")
         scheme = SCHEMES[scheme]
-    for name, child in list(model.named_children()):
-        if name in skip:
-            continue
-        if isinstance(child, nn.Linear):
-            out_dtype = dtype or child.weight.dtype
-            if scheme.kind == "awq":
-                act = out_dtype if out_dtype in (torch.float16, torch.bfloat16) else torch.float16
-                new = AWQLinear.from_linear(child, group_size=scheme.group_size, dtype=act)
-            else:
-                new = W8A8Linear.from_linear(
-                    child, weight_dtype=scheme.weight_dtype, per_channel=scheme.per_channel,
-                    per_token=scheme.per_token, symmetric=scheme.symmetric, out_dtype=out_dtype)
-            setattr(model, name, new)
-        else:
-            quantize_model(child, scheme, dtype=dtype, skip=skip)
+    plan = list(_replaceable_linears(model, skip))
+    made: dict[int, nn.Module] = {}
+    for check in (_check_linear, None):
+        for _, _, linear, qualified in plan:
+            if check is None and id(linear) in made:
+                continue
+            try:
+                if check is not None:
+                    check(linear, scheme)
+                else:
+                    made[id(linear)] = _quantize_linear(linear, scheme, dtype)
+            except ValueError as exc:
+                raise ValueError(f"quantize_model: layer {qualified!r} ({linear}): {exc}; "
+                                 "the model was left unchanged") from exc
+    for parent, name, linear, _ in plan:
+        setattr(parent, name, made[id(linear)])
     return model
 
 

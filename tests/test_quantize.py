@@ -79,7 +79,7 @@ def test_awq_linear_from_state_dict_matches_original():
     assert loaded.group_size == 64
     x = torch.randn(3, 128).half()
     assert torch.equal(loaded(x), mod(x))
-    with pytest.raises(ValueError, match="group_size 32 but 'scales' implies 64"):
+    with pytest.raises(ValueError, match=r"group_size 32 but 'layer.scales' \(shape \(2, 64\)\) implies 64"):
         AWQLinear.from_state_dict(state, prefix="layer.", group_size=32)
     with pytest.raises(KeyError, match="qzeros"):
         AWQLinear.from_state_dict({"qweight": state["layer.qweight"], "scales": state["layer.scales"]})
@@ -201,3 +201,156 @@ def test_awq_weights_beyond_the_scale_range_raise():
     w[0, 0] = -1e6
     with pytest.raises(ValueError, match="beyond torch.float16's range"):
         quantize_weight_awq(w, 32, torch.float16)
+
+
+# --------------------------------------------------------------------------- all-or-nothing conversion
+
+
+def test_quantize_model_is_all_or_nothing():
+    # The second layer's K = 48 is not divisible by the group size 32: nothing may be converted.
+    first, second = nn.Linear(64, 16), nn.Linear(48, 16)
+    model = nn.Sequential(first, nn.Sequential(nn.ReLU(), second))
+    with pytest.raises(ValueError, match=r"layer '1\.1' .*group_size 32 does not divide in_features 48.*unchanged"):
+        quantize_model(model, "awq-g32")
+    assert model[0] is first and model[1][1] is second
+
+
+def test_quantize_model_shares_the_replacement_of_a_shared_linear():
+    shared = nn.Linear(32, 16)
+    model = nn.Module()
+    model.a, model.b = nn.Sequential(shared), nn.Sequential(shared)
+    quantize_model(model, "int8")
+    assert isinstance(model.a[0], W8A8Linear) and model.a[0] is model.b[0]
+
+
+# --------------------------------------------------------------------------- dtype conversions keep quantized storage
+
+
+def _bits(t):
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+@pytest.mark.parametrize("kw", W8A8_VARIANTS + [dict(weight_dtype=torch.int8, dynamic=False, per_token=False,
+                                                     symmetric=False)], ids=str)
+@pytest.mark.parametrize("convert", ["to", "half", "bfloat16", "float"])
+def test_w8a8_dtype_conversion_changes_only_the_activation_dtype(kw, convert):
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 32)
+    calibration = torch.randn(8, 64) if kw.get("dynamic", True) is False else None
+    mod = W8A8Linear.from_linear(lin, out_dtype=torch.float32, calibration=calibration, **kw)
+    mod.bias = None
+    before = {k: v.clone() for k, v in mod.state_dict().items()}
+    reference = W8A8Linear.from_linear(lin, out_dtype=torch.float32, calibration=calibration, **kw)
+    reference.bias = None
+    target = {"to": torch.bfloat16, "half": torch.float16, "bfloat16": torch.bfloat16, "float": torch.float32}[convert]
+    converted = mod.to(torch.bfloat16) if convert == "to" else getattr(mod, convert)()
+    assert converted is mod and mod.out_dtype == target
+    for name, value in mod.state_dict().items():
+        assert value.dtype == before[name].dtype, name
+        assert torch.equal(_bits(value), _bits(before[name])), name
+    x = torch.randn(3, 64).to(target)
+    torch.testing.assert_close(mod(x), reference(x.float()).to(target), rtol=0, atol=0)
+
+
+def test_w8a8_bias_follows_the_activation_dtype():
+    mod = W8A8Linear.from_linear(nn.Linear(32, 16), out_dtype=torch.float32)
+    bias = mod.bias.clone()
+    mod.bfloat16()
+    assert mod.bias.dtype == torch.bfloat16 and torch.equal(mod.bias, bias.to(torch.bfloat16))
+    assert mod.weight.dtype == torch.int8 and mod.weight_scale.dtype == torch.float32
+
+
+def test_quantized_modules_still_move_between_devices():
+    w8 = W8A8Linear.from_linear(nn.Linear(32, 16), weight_dtype=torch.float8_e4m3fn, out_dtype=torch.float16)
+    awq = AWQLinear.from_linear(nn.Linear(64, 16).half(), group_size=32)
+    for mod in (w8, awq):
+        dtypes = {k: v.dtype for k, v in mod.state_dict().items()}
+        mod.to("meta", torch.bfloat16)
+        assert all(v.device.type == "meta" for v in mod.state_dict().values())
+        assert mod.out_dtype == torch.bfloat16
+        mod.to_empty(device="cpu")
+        assert all(v.device.type == "cpu" for v in mod.state_dict().values())
+        if mod is w8:
+            assert {k: v.dtype for k, v in mod.state_dict().items()} == {**dtypes, "bias": torch.bfloat16}
+        else:  # bfloat16 is an AWQ activation dtype: scales and bias follow it
+            assert {k: v.dtype for k, v in mod.state_dict().items()} == {
+                **dtypes, "scales": torch.bfloat16, "bias": torch.bfloat16}
+
+
+def test_awq_dtype_conversions():
+    torch.manual_seed(0)
+    mod = AWQLinear.from_linear(nn.Linear(64, 16).half(), group_size=32)
+    original = {k: v.clone() for k, v in mod.state_dict().items()}
+    x = torch.randn(3, 64).half()
+    y16 = mod(x)
+    # float32 is not an AWQ format dtype: scales and bias stay float16, the layer casts around them.
+    mod.float()
+    assert mod.out_dtype == torch.float32
+    assert all(torch.equal(v, original[k]) and v.dtype == original[k].dtype for k, v in mod.state_dict().items())
+    out = mod(x.float())
+    assert out.dtype == torch.float32 and torch.equal(out, y16.float())
+    # float16 -> bfloat16 converts the scales and bias (rounding them), the packed weights stay.
+    mod.bfloat16()
+    assert mod.out_dtype == torch.bfloat16 and mod.scales.dtype == torch.bfloat16
+    assert torch.equal(mod.scales, original["scales"].to(torch.bfloat16))
+    assert torch.equal(mod.bias, original["bias"].to(torch.bfloat16))
+    assert torch.equal(mod.qweight, original["qweight"]) and torch.equal(mod.qzeros, original["qzeros"])
+    xb = x.to(torch.bfloat16)
+    expected = xb @ mod.dequantized_weight() + mod.bias
+    assert torch.equal(mod(xb), expected)
+    assert "dtype=torch.bfloat16" in repr(mod)
+
+
+def test_a_failed_conversion_leaves_the_module_as_it_was():
+    mod = W8A8Linear.from_linear(nn.Linear(32, 16), out_dtype=torch.float32)
+    before = {k: v.clone() for k, v in mod.state_dict().items()}
+
+    def half_unless_bias(t):
+        if t.dim() == 1 and t.shape[0] == 16 and t.dtype == torch.float32 and t is mod.bias:
+            raise RuntimeError("conversion failed")
+        return t.half() if t.is_floating_point() else t
+
+    with pytest.raises(RuntimeError, match="conversion failed"):
+        mod._apply(half_unless_bias)
+    assert mod.out_dtype == torch.float32
+    for name, value in mod.state_dict().items():
+        assert value.dtype == before[name].dtype and torch.equal(value, before[name]), name
+
+
+# --------------------------------------------------------------------------- AWQ validation
+
+
+@pytest.mark.parametrize("group_size", [-4, 48, 1.5])
+def test_awq_linear_rejects_bad_group_sizes(group_size):
+    with pytest.raises(ValueError, match=rf"group_size {group_size!r}; expected a positive divisor of in_features 128"):
+        AWQLinear(128, 64, group_size=group_size)
+
+
+def _awq_state():
+    torch.manual_seed(0)
+    return AWQLinear.from_linear(nn.Linear(128, 64).half(), group_size=32).state_dict()
+
+
+@pytest.mark.parametrize("key, value, match", [
+    ("scales", lambda s: s["scales"][:3], r"'m\.scales' has shape \(3, 64\).*K/group_size rows, a divisor of K = 128"),
+    ("scales", lambda s: s["scales"][:0], r"'m\.scales' has shape \(0, 64\).*K/group_size rows"),
+    ("scales", lambda s: s["scales"][:, :32], r"'m\.scales' has shape \(4, 32\).*N = 64"),
+    ("scales", lambda s: s["scales"].float(), r"'m\.scales' .*float16 or bfloat16"),
+    ("qzeros", lambda s: s["qzeros"][:2], r"'m\.qzeros' has shape \(2, 8\).*\(4, 8\)"),
+    ("qweight", lambda s: s["qweight"].float(), r"'m\.qweight' .*int32"),
+    ("bias", lambda s: s["bias"][:8], r"'m\.bias' has shape \(8,\).*N = 64"),
+    ("g_idx", lambda s: torch.randperm(128, generator=torch.Generator().manual_seed(0)) // 32,
+     r"'m\.g_idx' assigns input channels to groups out of order"),
+])
+def test_awq_from_state_dict_names_the_bad_key(key, value, match):
+    state = _awq_state()
+    state[key] = value(state)
+    with pytest.raises(ValueError, match=match):
+        AWQLinear.from_state_dict({f"m.{k}": v for k, v in state.items()}, prefix="m.")
+
+
+def test_awq_from_state_dict_accepts_an_in_order_g_idx():
+    state = _awq_state()
+    state["g_idx"] = torch.arange(128, dtype=torch.int32) // 32
+    mod = AWQLinear.from_state_dict(state)
+    assert mod.group_size == 32 and torch.equal(mod.scales, state["scales"])
