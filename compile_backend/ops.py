@@ -9,6 +9,29 @@ Reference numerics: integer products are accumulated exactly (float64
 accumulation of int8 products is exact for K < 2**53 / 127**2), fp8 products
 are accumulated in float64, the epilogue runs in float32, and the result is
 rounded once to the output dtype.
+
+Limits every implementation keeps (the checks below are shared by the
+reference, the fake and the kernels' dispatch):
+
+* Exact int8 accumulation: int32 holds every sum of K int8 products only for
+  K < ``INT8_EXACT_MAX_K`` = 2**17 (|sum| <= 128 * 128 * K < 2**31).  Longer K
+  with extreme values overflows an int32 accumulator, so such shapes never run
+  an int32 kernel: the reference (float64 accumulation, exact) takes them.
+* Operand layouts: any strides are accepted.  An operand that is not a plain
+  row- or column-major matrix (``is_blas_layout``: zero strides from
+  ``expand``, overlapping or sliding-window rows, steps between elements) is
+  copied to the layout the GEMM reads (``a`` row-major, ``b`` column-major)
+  before it runs.
+* Devices: every tensor argument on one device, 1-element scales included
+  (``QuantfuseInputError`` otherwise).
+* Non-finite values: the W8A8 ops apply the scales to the exact integer (or
+  fp8) accumulator, as the kernels' epilogues do; the dequantize-then-matmul
+  source multiplies each element by its scale before the sum.  So an infinite
+  scale (e.g. the per-token scale of an activation row holding ``inf``) gives
+  ``±inf`` (NaN where the accumulator is 0) where eager mostly gives NaN (a 0
+  in the row gives ``0 * inf``, products of both signs ``inf - inf``).  Either
+  way the row is non-finite; the fused result is not made to match eager's
+  NaN.  A NaN scale gives NaN in both.
 """
 
 from __future__ import annotations

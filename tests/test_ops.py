@@ -337,3 +337,36 @@ def test_mixed_devices_are_rejected_naming_the_argument(case):
     name, arg, args = case
     with pytest.raises(ops.QuantfuseInputError, match=f"argument '{arg}' has .*device (cpu|meta); expected device"):
         getattr(ops, name)(*args)
+
+
+# --------------------------------------------------------------------------- documented limits
+
+
+def test_int8_sums_beyond_int32_are_exact():
+    # K = INT8_EXACT_MAX_K products of (-128) * (-128) sum to 2**31: one past int32's range.
+    # An int32 accumulator wraps to -2**31; the reference routes such K to float64 and is exact.
+    K = ops.INT8_EXACT_MAX_K
+    assert 128 * 128 * (K - 1) < 2**31 <= 128 * 128 * K
+    a = torch.full((2, K), -128, dtype=torch.int8)
+    a[1, 0] = 127  # second row: 2**31 - 128 * 255, exact in float32 only after exact accumulation
+    b = torch.full((K, 1), -128, dtype=torch.int8)
+    ones = torch.ones(1)
+    out = ops.scaled_mm(a, b, ones, ones, torch.float32)
+    expected = (a.to(torch.int64) @ b.to(torch.int64)).to(torch.float32)
+    assert torch.equal(out, expected) and out[0, 0].item() == 2.0**31
+    colsum = b.to(torch.int32).sum(0, dtype=torch.int32)
+    out = ops.scaled_mm_azp(a, b, ones, ones, torch.float32, colsum, torch.zeros(2, dtype=torch.int32))
+    assert torch.equal(out, expected)
+
+
+def test_infinite_activation_scale_is_non_finite_like_eager():
+    # The op scales the integer accumulator (the kernels' epilogue); eager scales each element
+    # first.  Both rows with an infinite scale are non-finite, not necessarily the same one.
+    a, b, sa, sb, od, _ = _w8a8_inputs(4, 32, 8, out_dtype=torch.float32)
+    sa[1, 0] = float("inf")
+    out = ops.scaled_mm(a, b, sa, sb, od)
+    eager = (a.float() * sa) @ (b.float() * sb.reshape(1, -1))
+    assert not torch.isfinite(out[1]).any() and not torch.isfinite(eager[1]).any()
+    assert torch.isfinite(out[[0, 2, 3]]).all()
+    sa[1, 0] = float("nan")
+    assert torch.isnan(ops.scaled_mm(a, b, sa, sb, od)[1]).all()
