@@ -30,7 +30,6 @@ def check_wheel(wheel: Path) -> None:
 def main(argv: list[str]) -> int:
     if argv:
         check_wheel(Path(argv[0]))
-    repo = Path(__file__).resolve().parents[1]
 
     import torch
 
@@ -39,8 +38,8 @@ def main(argv: list[str]) -> int:
     from compile_backend.quantize import W8A8Linear
 
     where = Path(compile_backend.__file__).resolve()
-    assert repo not in where.parents, f"compile_backend imported from the source checkout: {where}"
-    assert "site-packages" in where.parts, where
+    checkout = (where.parents[1] / "pyproject.toml").exists()
+    assert not checkout and "site-packages" in where.parts, f"compile_backend not imported from an install: {where}"
     assert kernels.csrc_dir() == where.parent / "csrc", kernels.csrc_dir()
     assert kernels.sources(), "the installed package has no kernel sources"
 
