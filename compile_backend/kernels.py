@@ -11,7 +11,8 @@ Where the kernels come from, at the first CUDA call (``ensure_loaded``):
 * a wheel built with ``QUANTFUSE_BUILD_CUDA=1`` carries them prebuilt, as
   ``compile_backend/_C*.so``, loaded with ``torch.ops.load_library``; nothing
   compiles.  It is used when it was built against this torch version and for
-  this GPU's architecture (``_C_build.json`` next to it says which);
+  this GPU's architecture (``_C_build.json`` next to it says which) and, when
+  built in place in a source checkout, after the last change to ``csrc/``;
 * otherwise (a source checkout, a CPU wheel, another GPU) the sources are
   built with ``torch.utils.cpp_extension`` for the GPU present, cached by
   torch under ``TORCH_EXTENSIONS_DIR``; ``python -m compile_backend.build``
@@ -148,6 +149,11 @@ def prebuilt_unusable(library: Path) -> str | None:
     built_for, running = _public_version(info.get("torch", "?")), _public_version(torch.__version__)
     if built_for != running:
         return f"built against torch {built_for}, running torch {running}"
+    checkout_csrc = Path(__file__).resolve().parents[1] / "csrc"
+    if checkout_csrc.is_dir():  # built in place in a source checkout: stale once a source changes
+        built = library.stat().st_mtime
+        if any(p.stat().st_mtime > built for p in checkout_csrc.rglob("*") if p.is_file()):
+            return f"{checkout_csrc} changed since it was built"
     arch_list = info.get("arch_list", "")
     cap = torch.cuda.get_device_capability()
     if not build_config.arch_list_runs_on(arch_list, cap):

@@ -118,6 +118,7 @@ def prebuilt(tmp_path, monkeypatch):
     """A fake prebuilt library next to a fake package, on a fake Hopper GPU."""
     library = tmp_path / "_C.cpython-311-x86_64-linux-gnu.so"
     library.write_bytes(b"")
+    os.utime(library, (4e9, 4e9))  # newer than every source: built after the checkout's last change
     info = {"torch": torch.__version__.split("+")[0] + "+cu130", "cuda": "13.0", "arch_list": "8.0;9.0a"}
     (tmp_path / build_config.PREBUILT_INFO).write_text(json.dumps(info))
     monkeypatch.setattr(kernels, "_state", {"status": "unloaded", "error": None, "kernels": None, "library": None})
@@ -148,6 +149,7 @@ def test_prebuilt_library_is_loaded_and_nothing_builds(prebuilt, caplog):
         ({"arch_list": "8.0"}, "built for '8.0', none of which runs on this GPU (sm_90)"),
         (None, "no readable _C_build.json"),
         ("QUANTFUSE_JIT", "QUANTFUSE_JIT=1"),
+        ("stale", "csrc changed since it was built"),
     ],
 )
 def test_prebuilt_library_not_used_builds_from_source(prebuilt, monkeypatch, caplog, change, reason):
@@ -157,6 +159,8 @@ def test_prebuilt_library_not_used_builds_from_source(prebuilt, monkeypatch, cap
         info_path.unlink()
     elif change == "QUANTFUSE_JIT":
         monkeypatch.setenv("QUANTFUSE_JIT", "1")
+    elif change == "stale":
+        os.utime(library, (1, 1))
     else:
         info_path.write_text(json.dumps({**json.loads(info_path.read_text()), **change}))
     with caplog.at_level(logging.INFO, logger="quantfuse"):
