@@ -185,20 +185,20 @@ class TestGraphBeforeAfter(TestCase):
         mod = AWQLinear.from_linear(nn.Linear(64, 16), group_size=32, dtype=torch.float16)
         t = trace(mod, torch.randn(2, 3, 64, dtype=torch.float16))
         self.assertExpectedInline(t.before, """\
-input arg0_1: int32[64, 2]
-input arg1_1: int32[2, 2]
-input arg2_1: float16[2, 16]
+input arg0_1: float16[2, 16]
+input arg1_1: int32[64, 2]
+input arg2_1: int32[2, 2]
 input arg3_1: float16[2, 3, 64]
 input arg4_1: float16[16]
 _tensor_constant0: int32[8] = get_attr _tensor_constant0
 lift_fresh_copy: int32[8] = aten.lift_fresh_copy(_tensor_constant0)
-unsqueeze: int32[64, 2, 1] = aten.unsqueeze(arg0_1, -1)
+unsqueeze: int32[64, 2, 1] = aten.unsqueeze(arg1_1, -1)
 rshift: int32[64, 2, 8] = aten.__rshift__.Tensor(unsqueeze, lift_fresh_copy)
 bitwise_and: int32[64, 2, 8] = aten.bitwise_and.Scalar(rshift, 15)
 view: int32[64, 16] = aten.view(bitwise_and, [64, 16])
 _tensor_constant1: int32[8] = get_attr _tensor_constant1
 lift_fresh_copy_1: int32[8] = aten.lift_fresh_copy(_tensor_constant1)
-unsqueeze_1: int32[2, 2, 1] = aten.unsqueeze(arg1_1, -1)
+unsqueeze_1: int32[2, 2, 1] = aten.unsqueeze(arg2_1, -1)
 rshift_1: int32[2, 2, 8] = aten.__rshift__.Tensor(unsqueeze_1, lift_fresh_copy_1)
 bitwise_and_1: int32[2, 2, 8] = aten.bitwise_and.Scalar(rshift_1, 15)
 view_1: int32[2, 16] = aten.view(bitwise_and_1, [2, 16])
@@ -208,7 +208,7 @@ clone: int32[2, 32, 16] = aten.clone(expand, memory_format=torch.contiguous_form
 view_2: int32[64, 16] = aten.view(clone, [64, 16])
 sub: int32[64, 16] = aten.sub.Tensor(view, view_2)
 convert_element_type: float16[64, 16] = prims.convert_element_type(sub, float16)
-unsqueeze_3: float16[2, 1, 16] = aten.unsqueeze(arg2_1, 1)
+unsqueeze_3: float16[2, 1, 16] = aten.unsqueeze(arg0_1, 1)
 expand_1: float16[2, 32, 16] = aten.expand(unsqueeze_3, [2, 32, 16])
 clone_1: float16[2, 32, 16] = aten.clone(expand_1, memory_format=torch.contiguous_format)
 view_3: float16[64, 16] = aten.view(clone_1, [64, 16])
@@ -219,13 +219,13 @@ view_5: float16[2, 3, 16] = aten.view(mm, [2, 3, 16])
 add: float16[2, 3, 16] = aten.add.Tensor(view_5, arg4_1)
 return [add]""")
         self.assertExpectedInline(graph_str(t.after), """\
-input arg0_1: int32[64, 2]
-input arg1_1: int32[2, 2]
-input arg2_1: float16[2, 16]
+input arg0_1: float16[2, 16]
+input arg1_1: int32[64, 2]
+input arg2_1: int32[2, 2]
 input arg3_1: float16[2, 3, 64]
 input arg4_1: float16[16]
 view_4: float16[6, 64] = aten.view(arg3_1, [6, 64])
-awq_gemm_default_1: float16[6, 16] = quantfuse.awq_gemm(view_4, arg0_1, arg2_1, arg1_1, 32, arg4_1)
+awq_gemm_default_1: float16[6, 16] = quantfuse.awq_gemm(view_4, arg1_1, arg0_1, arg2_1, 32, arg4_1)
 view_default: float16[2, 3, 16] = aten.view(awq_gemm_default_1, [2, 3, 16])
 return [view_default]""")
         self.assertEqual(str(t.report).splitlines()[1:],
