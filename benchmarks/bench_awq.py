@@ -34,17 +34,19 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import compile_backend  # noqa: E402,F401
-from compile_backend import kernels  # noqa: E402
-from compile_backend.cuda import awq_gemm as awq_cuda  # noqa: E402
 from compile_backend.quantize import AWQLinear, awq_pack  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from timing import copies_for, rotating  # noqa: E402
+from timing import copies_for, load_kernels, rotating  # noqa: E402
 
 SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
 MS = (1, 8, 16, 32, 48, 64, 128, 256, 320, 384, 512, 640, 768, 1024, 1152, 1536, 2048, 2560, 4096)
 G = 128
 DEV = "cuda"
+# The op's streaming kernel serves M up to this (csrc/awq_gemm/awq_gemm_dispatch.cpp: kDecodeMaxM).
+DECODE_MAX_M = 32
+# SM90 tile configurations 0..NUM_CONFIGS-1 (csrc/awq_gemm/awq_gemm_sm90_choice.h: kNumConfigs).
+NUM_CONFIGS = 13
 
 
 def weight_bytes(N, K, G=G):
@@ -67,13 +69,13 @@ def main():
     ap.add_argument("--sanitize", action="store_true", help="a few small calls of every kernel, for compute-sanitizer")
     ap.add_argument("--one", default=None, help="N,K,M[,warps]: three calls of the fused kernel (for ncu)")
     args = ap.parse_args()
-    assert kernels.ensure_loaded(), kernels.status()
+    load_kernels()
     if args.sanitize:
         return sanitize()
     if args.one:
         N, K, M, *w = (int(v) for v in args.one.split(","))
         x, qw, s, qz = make_set(M, N, K, torch.Generator(device=DEV).manual_seed(0))
-        packed = awq_cuda.packed_weight(qw)
+        packed = torch.ops.quantfuse._awq_repack_cuda(qw)
         for _ in range(3):
             torch.ops.quantfuse._awq_gemm_cuda(x, packed, s, qz, G, None, w[0] if w else 0)
         torch.cuda.synchronize()
@@ -107,7 +109,7 @@ def main():
             row["ours"] = rotating(
                 [lambda s=s: torch.ops.quantfuse.awq_gemm(s[0], s[1], s[2], s[3], G) for s in sets])
             if M <= 1024:
-                packed = [awq_cuda.packed_weight(s[1]) for s in sets]
+                packed = [torch.ops.quantfuse._awq_repack_cuda(s[1]) for s in sets]
                 row["ours_kernel"] = rotating(
                     [lambda s=s, p=p: torch.ops.quantfuse._awq_gemm_cuda(s[0], p, s[2], s[3], G, None)
                      for s, p in zip(sets, packed)])
@@ -156,7 +158,7 @@ def main():
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "decode_max_m": awq_cuda.DECODE_MAX_M,
+        "decode_max_m": DECODE_MAX_M,
         "group_size": G,
         "dtype": "float16 (tinygemm: bfloat16)",
     }
@@ -201,12 +203,12 @@ def sanitize():
             # every SM90 tile configuration, forced (N = 384: an odd number of 128-row tiles);
             # K = 4096 gives the stream-K configurations K iterations to split across SMs, so
             # their partial-tile reduction through the workspace runs too
-            from compile_backend.cuda import awq_gemm_sm90 as sm90
             for N, K, g in ((384, 512, 128), (384, 4096, 128)):
                 qw, s, qz, dense = _sanitize_weight(N, K, g, dtype, gen)
                 x = torch.randn((300, K), generator=gen, device=DEV).to(dtype)
-                for config in range(sm90.NUM_CONFIGS):
-                    out = sm90.launch_prefill(x, qw, s, qz, g, None, config=config)
+                prepared = torch.ops.quantfuse._awq_prepare_sm90_cuda(qw, s, qz, g)
+                for config in range(NUM_CONFIGS):
+                    out = torch.ops.quantfuse._awq_gemm_sm90_cuda(x, *prepared, g, None, config)
                     worst = max(worst, _rel_err(out, x.float() @ dense.float()))
     torch.cuda.synchronize()
     print(f"sanitize run done; worst relative error {worst:.3g}")

@@ -3,17 +3,18 @@
     python benchmarks/bench_awq_sm90_configs.py [--ms 192,256,...] [--configs 0,1,...] [--repeats 2]
                                                 [--shapes 4096x14336,...] [--fresh-x]
 
-One line per (shape, M): the op's own choice ("auto"), each configuration forced through
-``launch_prefill(config=c)``, and fp16 cuBLAS on a dense weight, in µs (median of rotating
-CUDA-graph replays, benchmarks/timing.py).  fp16, group 128, bench_awq.py's shapes and
-input sets.  By default one x per M serves every weight set (x may stay in L2 between
-calls); ``--fresh-x`` gives each input set its own x, as bench_awq.py does (what a model's
-layers see).  ``--repeats`` times every row that many times, interleaved (the spread between
-repeats is the noise).  The last lines give each configuration's time per wave (median over
-the rows of time / whole waves of its tiles, at K = 4096): the starting point of the per-wave
-times in ``choose_config`` (csrc/awq_gemm/awq_gemm_sm90_choice.h), which are then adjusted to
-the choices that minimise the summed time over a sweep of all configurations with --fresh-x
-(stream-K configurations count fractional waves plus a fixed fixup).
+One line per (shape, M): the kernel's own choice ("auto"), each configuration forced through
+``_awq_gemm_sm90_cuda(..., config=c)`` on the weight prepared once (``_awq_prepare_sm90_cuda``),
+and fp16 cuBLAS on a dense weight, in µs (median of rotating CUDA-graph replays,
+benchmarks/timing.py).  fp16, group 128, bench_awq.py's shapes and input sets.  By default one x
+per M serves every weight set (x may stay in L2 between calls); ``--fresh-x`` gives each input
+set its own x, as bench_awq.py does (what a model's layers see).  ``--repeats`` times every row
+that many times, interleaved (the spread between repeats is the noise).  The last lines give
+each configuration's time per wave (median over the rows of time / whole waves of its tiles, at
+K = 4096): the starting point of the per-wave times in ``choose_config``
+(csrc/awq_gemm/awq_gemm_sm90_choice.h), which are then adjusted to the choices that minimise the
+summed time over a sweep of all configurations with --fresh-x (stream-K configurations count
+fractional waves plus a fixed fixup).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench_awq import DEV, SHAPES, G, make_set, weight_bytes  # noqa: E402
-from timing import copies_for, rotating  # noqa: E402
+from timing import copies_for, load_kernels, rotating  # noqa: E402
 
 # rows x tokens of each configuration's tile (csrc/awq_gemm/awq_gemm_sm90_choice.h: kCosts)
 TILES = {0: (64, 128), 1: (64, 128), 2: (64, 256), 3: (128, 256), 4: (128, 128), 5: (64, 160), 6: (64, 192),
@@ -50,18 +51,18 @@ def main() -> int:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         print("needs a Hopper (sm_90) GPU", file=sys.stderr)
         return 1
-    import compile_backend.ops  # noqa: F401  (registers the ops)
-    from compile_backend import kernels
-    from compile_backend.cuda import awq_gemm_sm90 as sm90
-
-    if not kernels.ensure_loaded() or not kernels.op_built("_awq_gemm_sm90_cuda"):
+    load_kernels()
+    if not hasattr(torch.ops.quantfuse, "_awq_gemm_sm90_cuda"):
         print("the SM90 AWQ kernel is not built", file=sys.stderr)
         return 1
+    gemm = torch.ops.quantfuse._awq_gemm_sm90_cuda
     gen = torch.Generator(device=DEV).manual_seed(0)
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}; fp16, group {G}, µs", flush=True)
     for N, K in shapes:
         # (qweight, scales, qzeros) of bench_awq's input sets; x is made per M below
         sets = [make_set(1, N, K, gen)[1:] for _ in range(copies_for(weight_bytes(N, K)))]
+        # each set's weight prepared once, as the op's dispatch keeps it
+        prepared = [torch.ops.quantfuse._awq_prepare_sm90_cuda(*s, G) for s in sets]
         dense = [torch.randn(N, K, device=DEV).half() for _ in range(copies_for(N * K * 2))]
         for _ in range(args.repeats):
             for M in (int(m) for m in args.ms.split(",")):
@@ -69,8 +70,8 @@ def main() -> int:
                 if not args.fresh_x:
                     xs = [xs[0]] * len(xs)
                 auto = torch.ops.quantfuse._awq_sm90_config(M, N, K, G, SMS)
-                t = {c: rotating([lambda x=x, s=s, c=c: sm90.launch_prefill(x, *s, G, None, c)
-                                  for x, s in zip(xs, sets)])
+                t = {c: rotating([lambda x=x, p=p, c=c: gemm(x, *p, G, None, c)
+                                  for x, p in zip(xs, prepared)])
                      for c in [-1] + configs}
                 cublas = rotating([lambda x=x, w=w: x @ w.t() for x, w in zip(xs, dense)])
                 best = min(configs, key=lambda c: t[c])
@@ -82,7 +83,7 @@ def main() -> int:
                       + " ".join(f"c{c} {t[c]:7.1f}" for c in configs)
                       + f" | cuBLAS {cublas:7.1f} -> best c{best} {cublas / t[best]:.2f}x cuBLAS,"
                       f" auto {cublas / t[-1]:.2f}x", flush=True)
-        del sets, dense
+        del sets, prepared, dense
     for c in configs:
         v = sorted(per_wave[c])
         print(f"config {c} {TILES[c]}: µs per wave at K=4096, median {v[len(v) // 2]:.1f}, "

@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from timing import copies_for, rotating  # noqa: E402
+from timing import copies_for, load_kernels, rotating  # noqa: E402
 
 NK = ((4096, 4096), (6144, 4096), (4096, 14336), (28672, 4096))
 CONFIGS = (0, 1, 2, 3)
@@ -46,10 +46,7 @@ def main() -> int:
     dtypes = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
     dts = [dtypes[d] for d in args.dtypes.split(",")]
 
-    import compile_backend.cuda  # noqa: F401
-    from compile_backend import kernels
-
-    assert kernels.ensure_loaded(), kernels.status()
+    load_kernels()
     qf = torch.ops.quantfuse
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     torch.manual_seed(0)

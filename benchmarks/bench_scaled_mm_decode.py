@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from timing import copies_for, copy_bandwidth, flushed, rotating  # noqa: E402
+from timing import copies_for, copy_bandwidth, flushed, load_kernels, rotating  # noqa: E402
 
 NK = ((4096, 4096), (6144, 4096), (4096, 14336), (28672, 4096))
 # (splits, warps per CTA, load batch) forced through _scaled_mm_decode_tune; -1 = chosen
@@ -51,10 +51,7 @@ def main() -> int:
             return flushed(lambda: fn(*sets[0]))
         return rotating([lambda s=s: fn(*s) for s in sets])
 
-    import compile_backend.cuda  # noqa: F401
-    from compile_backend import kernels
-
-    assert kernels.ensure_loaded(), kernels.status()
+    load_kernels()
     qf = torch.ops.quantfuse
     has_cutlass = hasattr(qf, "_scaled_mm_cutlass")
     bw = copy_bandwidth()
@@ -89,7 +86,7 @@ def main() -> int:
                 r = {"N": N, "K": K, "M": M, "dtype": str(dt).split(".")[-1], "config": cfg}
                 r["decode"] = bench(sets, lambda a, b, sa, sb, bias, ap_: qf._scaled_mm_decode_cuda(
                     a, b, sa, sb, torch.bfloat16, bias))
-                # the public op, which routes M <= DECODE_MAX_M here and larger M to CUTLASS
+                # the public op, whose C++ dispatch routes M <= 16 here and larger M to CUTLASS
                 r["public"] = bench(sets, lambda a, b, sa, sb, bias, ap_: qf.scaled_mm(
                     a, b, sa, sb, torch.bfloat16, bias))
                 r["public_kernel"] = kernel_of(lambda s=sets[0]: qf.scaled_mm(*s[:4], torch.bfloat16, s[4]))

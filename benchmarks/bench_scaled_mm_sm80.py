@@ -18,6 +18,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from timing import load_kernels  # noqa: E402
 
 NK = ((4096, 4096), (28672, 4096))
 MS = (1, 16, 256, 1024, 4096)
@@ -37,10 +40,7 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
 
-    import compile_backend.cuda  # noqa: F401
-    from compile_backend import kernels
-
-    assert kernels.ensure_loaded(), kernels.status()
+    load_kernels()
     torch.manual_seed(0)
     hopper = torch.cuda.get_device_capability() == (9, 0)
     op = torch.ops.quantfuse._scaled_mm_cutlass

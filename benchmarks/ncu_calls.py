@@ -23,7 +23,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def w8a8(N: int, K: int, M: int, dtype: str):
-    import compile_backend.cuda  # noqa: F401  (registers the CUDA kernels)
     from compile_backend import ops
 
     def rand(shape):
@@ -47,7 +46,6 @@ def w8a8(N: int, K: int, M: int, dtype: str):
 
 def w8a8_azp(N: int, K: int, M: int):
     """int8 with per-token zero points (ours) against the symmetric op (baseline)."""
-    import compile_backend.cuda  # noqa: F401  (registers the CUDA kernels)
     from compile_backend import ops
 
     a = torch.randint(-128, 128, (M, K), dtype=torch.int8, device="cuda")
@@ -63,7 +61,6 @@ def w8a8_azp(N: int, K: int, M: int):
 
 
 def awq(N: int, K: int, M: int):
-    import compile_backend.cuda  # noqa: F401  (registers the CUDA kernels)
     from compile_backend import ops
 
     G = 128

@@ -1,4 +1,4 @@
-"""Timers shared by the benchmarks.
+"""Timers shared by the benchmarks, and the kernels' loading.
 
 Two ways to keep a call from reading its weight out of the 50 MB L2:
 
@@ -30,6 +30,19 @@ import math
 import torch
 
 L2_BYTES = 50 * 2**20
+
+
+def load_kernels() -> None:
+    """Loads the CUDA kernels as a program's first CUDA call of a quantfuse op does (after which
+    the public ops' C++ implementations serve every call); exits if they cannot be loaded."""
+    import compile_backend  # noqa: F401  (registers the ops)
+    from compile_backend import kernels
+
+    qweight = torch.zeros(16, 8, dtype=torch.int32, device="cuda")
+    scales = torch.ones(1, 64, dtype=torch.float16, device="cuda")
+    torch.ops.quantfuse.awq_dequantize(qweight, scales, torch.zeros(1, 8, dtype=torch.int32, device="cuda"), 16)
+    if not kernels.ensure_loaded():
+        raise SystemExit(f"the CUDA kernels did not load: {kernels.status()}")
 
 
 def copies_for(set_bytes: int, cap: int = 8) -> int:

@@ -1,10 +1,8 @@
-"""Loads the CUDA kernels in ``csrc/`` (prebuilt, or built at first use), and dispatches ops to them.
+"""Loads the CUDA kernels in ``csrc/`` (prebuilt, or built at first use).
 
-Each kernel family registers, under its op's name, a ``supports`` function
-(returns ``None`` when the kernel takes the inputs, else the reason it cannot)
-and a ``launch`` function.  ``try_cuda`` is called by the ops' CUDA
-implementation: it returns the kernel's result, or ``None`` so that the
-reference runs, with a debug log line saying why.
+The loaded library registers the public ops' CUDA implementations (csrc/*/*_dispatch.cpp:
+the kernel choice, and the reference with a reason where no kernel takes an input);
+``compile_backend.ops`` calls ``ensure_loaded`` at the first CUDA call of an op.
 
 Where the kernels come from, at the first CUDA call (``ensure_loaded``):
 
@@ -22,7 +20,7 @@ Where the kernels come from, at the first CUDA call (``ensure_loaded``):
 The ``quantfuse.kernels`` logger says at INFO which one was used.  If neither
 can be loaded, one warning is issued and the reference implementations run from
 then on.  Nothing here runs on a machine without CUDA: the CPU path never
-reaches ``try_cuda``.  Sources, flags and include directories are those of
+calls ``ensure_loaded``.  Sources, flags and include directories are those of
 ``build_config``, which ``setup.py`` uses too.
 """
 
@@ -36,8 +34,6 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -50,42 +46,8 @@ log = logging.getLogger("quantfuse.kernels")
 EXTENSION_NAME = "quantfuse_C"
 
 
-@dataclass(frozen=True)
-class KernelFamily:
-    supports: Callable[..., str | None]
-    launch: Callable[..., torch.Tensor]
-
-
-_families: dict[str, KernelFamily] = {}
 _lock = threading.Lock()
 _state = {"status": "unloaded", "error": None, "kernels": None, "library": None}
-
-
-_capabilities: dict[int, tuple[int, int]] = {}
-
-
-def capability(device: torch.device) -> tuple[int, int]:
-    """The CUDA device's compute capability, cached (the dispatch asks on every call)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    cap = _capabilities.get(index)
-    if cap is None:
-        cap = _capabilities[index] = torch.cuda.get_device_capability(index)
-    return cap
-
-
-_ops_present: dict[str, bool] = {}
-
-
-def op_built(name: str) -> bool:
-    """Whether the loaded extension registered ``quantfuse.<name>`` (cached once it has)."""
-    if not _ops_present.get(name):
-        _ops_present[name] = hasattr(torch.ops.quantfuse, name)
-    return _ops_present[name]
-
-
-def register(op_name: str, supports, launch) -> None:
-    """Make ``launch`` the CUDA path of ``quantfuse.<op_name>`` where ``supports`` allows."""
-    _families[op_name] = KernelFamily(supports, launch)
 
 
 def csrc_dir() -> Path:
@@ -246,23 +208,20 @@ def ensure_loaded() -> bool:
     return _state["status"] == "loaded"
 
 
-def try_cuda(op_name: str, args: tuple, kwargs: dict):
-    """The kernel's result for a CUDA call of ``quantfuse.<op_name>``, or None."""
-    family = _families.get(op_name)
-    if family is None:
-        log.debug("%s: no CUDA kernel registered; reference runs", op_name)
-        return None
-    reason = family.supports(*args, **kwargs)
-    if reason is not None:
-        log.debug("%s: reference runs: %s", op_name, reason)
-        return None
-    if not ensure_loaded():
-        log.debug("%s: reference runs: CUDA extension not available", op_name)
-        return None
-    return family.launch(*args, **kwargs)
+def families() -> list[str]:
+    """The kernel families (``csrc/`` folders) the kernels are built from: those
+    ``QUANTFUSE_CSRC_ONLY`` selects, else every one."""
+    only = selected_families()
+    if only is not None:
+        return sorted(only)
+    try:
+        root = csrc_dir()
+    except FileNotFoundError:
+        return []
+    return sorted(p.name for p in root.iterdir() if p.is_dir() and p.name != "common")
 
 
 def status() -> dict:
     """What the loader knows: 'unloaded', 'loaded', 'failed' (with the error) or 'absent'; once
-    loaded, which kernels ('prebuilt' with the library's path, or 'jit')."""
-    return {**_state, "families": sorted(_families)}
+    loaded, which kernels ('prebuilt' with the library's path, or 'jit'); the families built."""
+    return {**_state, "families": families()}

@@ -1,4 +1,5 @@
-"""GPU tests of the AWQ W4A16 CUDA kernels (csrc/awq_gemm/, compile_backend/cuda/awq_gemm.py).
+"""GPU tests of the AWQ W4A16 CUDA kernels (csrc/awq_gemm/) behind quantfuse.awq_gemm /
+awq_dequantize, and their C++ dispatch (csrc/awq_gemm/awq_gemm_dispatch.cpp).
 
 Skipped as a whole without CUDA.  Every check draws fresh random data (zeros and scales
 at their extremes, large activations, never all zeros), poisons the memory the output
@@ -12,82 +13,26 @@ import logging
 
 import pytest
 import torch
+from awq_data import check_close, folds, make_awq, make_x, op_exact, reference64
+from conftest import AWQ_DECODE_MAX_M, AWQ_KERNEL_MAX_M, DEV, HOPPER, awq_kernel_reason, kernel_names, poison
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU", allow_module_level=True)
-
-from awq_data import make_awq, make_x  # noqa: E402
-
-import compile_backend  # noqa: E402,F401  (registers ops and kernel families)
-from compile_backend import kernels  # noqa: E402
-from compile_backend.cuda import awq_gemm as awq_cuda  # noqa: E402
-from compile_backend.ops import AWQ_SHIFTS  # noqa: E402
-from compile_backend.quantize import awq_pack  # noqa: E402
+import compile_backend
+from compile_backend.ops import AWQ_SHIFTS
+from compile_backend.quantize import awq_pack
 
 pytestmark = pytest.mark.gpu
-DEV = "cuda"
 GROUPS = (32, 64, 128, -1)  # -1: per-channel (group = K)
 M_ALL = (1, 2, 3, 7, 8, 15, 16, 17, 31, 32, 64, 100, 256, 1024, 4096)
 LLAMA = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
 
 
-def reference64(x, q, z, s, G, bias=None, exact=False):
-    """float64 of x @ W and the per-element error scale.  W = (q - z) * s rounded once to the
-    activation dtype (the op's reference, the SM90 kernel, dequantize + cuBLAS, and the
-    streaming kernel's scaled path), or unrounded with ``exact`` (the streaming kernel's fold
-    path, which applies zeros and scales to fp32 accumulators: see folds())."""
-    zz = z.repeat_interleave(G, dim=0)
-    ss = s.repeat_interleave(G, dim=0)
-    if exact:
-        w = (q - zz).to(torch.float64) * ss.to(torch.float64)
-    else:
-        w = ((q - zz).to(s.dtype) * ss).to(torch.float64)
-    x64 = x.to(torch.float64)
-    ref = x64 @ w
-    mag = x64.abs() @ w.abs()
-    if bias is not None:
-        ref = ref + bias.to(torch.float64)
-        mag = mag + bias.to(torch.float64).abs()
-    return ref, mag
+def repacked(qweight):
+    """The streaming kernel's layout of ``qweight`` (the dispatch keeps one per weight)."""
+    return torch.ops.quantfuse._awq_repack_cuda(qweight)
 
 
-def folds(M, N, warps=0):
-    """Whether the streaming kernel takes its fold path at this shape (the C++ dispatch says)."""
-    return torch.ops.quantfuse._awq_gemm_folds(M, N, torch.cuda.current_device(), warps)
-
-
-def op_exact(M, N):
-    """Whether quantfuse.awq_gemm computes with the unrounded W at this shape: M up to
-    DECODE_MAX_M runs the streaming kernel (N a multiple of 64), and so does its fold path."""
-    return M <= awq_cuda.DECODE_MAX_M and N % 64 == 0 and folds(M, N)
-
-
-def poison(numel, dtype):
-    """Fill the caching allocator's next block of this size with NaN."""
-    t = torch.full((numel,), float("nan"), dtype=dtype, device=DEV)
-    del t
-
-
-def check_close(out, ref, mag, dtype, what):
-    assert out.shape == ref.shape, what
-    M = out.shape[0]
-    o = out.to(torch.float64)
-    assert torch.isfinite(o).all(), f"{what}: non-finite (unwritten or overflow) outputs"
-    eps = 2.0**-10 if dtype == torch.float16 else 2.0**-7
-    # one rounding of the output + fp32 accumulation; above DECODE_MAX_M the dequantize +
-    # cuBLAS path may reduce split-K partials in the activation dtype (torch's default allows
-    # it) and the SM90 kernel rounds q*s and q*s - z*s separately (test_cuda_awq_gemm_sm90.py
-    # has that kernel's derived bound)
-    acc = 1e-4 if M <= awq_cuda.DECODE_MAX_M else eps / 2
-    bound = eps * ref.abs() + acc * mag + 1e-6
-    err = (o - ref).abs()
-    bad = err > bound
-    assert not bad.any(), (
-        f"{what}: {int(bad.sum())} elements out of bounds; worst err {err.max().item():.3g} "
-        f"at {divmod(int(err.argmax()), ref.shape[1])}"
-    )
-    rel = (torch.linalg.norm(o - ref) / torch.linalg.norm(ref)).item()
-    assert rel < (2e-3 if dtype == torch.float16 else 8e-3), f"{what}: relative error {rel:.3g}"
+def names_of(fn) -> str:
+    return " ".join(kernel_names(fn))
 
 
 def run_case(M, N, K, group, dtype, seed, bias=False):
@@ -100,12 +45,6 @@ def run_case(M, N, K, group, dtype, seed, bias=False):
     torch.cuda.synchronize()
     ref, mag = reference64(x, q, z, s, G, b, exact=op_exact(M, N))
     check_close(out, ref, mag, dtype, f"M={M} N={N} K={K} G={G} {dtype} bias={bias}")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def built():
-    assert kernels.ensure_loaded(), f"extension failed to build: {kernels.status()}"
-    yield
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -135,7 +74,7 @@ def test_kernel_block_variants(M, warps):
         x = make_x(M, K, dtype, gen)
         b = (torch.randn(N, generator=gen, device=DEV) * 10).to(dtype)
         poison(M * N, dtype)
-        out = torch.ops.quantfuse._awq_gemm_cuda(x, awq_cuda.packed_weight(qw), s, qz, G, b, warps)
+        out = torch.ops.quantfuse._awq_gemm_cuda(x, repacked(qw), s, qz, G, b, warps)
         torch.cuda.synchronize()
         ref, mag = reference64(x, q, z, s, G, b, exact=folds(M, N, warps))
         check_close(out, ref, mag, dtype, f"warps={warps} M={M} N={N} K={K}")
@@ -155,7 +94,7 @@ def test_kernel_forced_splits(splits, cluster):
         x = make_x(M, K, dtype, gen)
         b = (torch.randn(N, generator=gen, device=DEV) * 10).to(dtype) if i % 2 == 0 else None
         poison(M * N, dtype)
-        out = torch.ops.quantfuse._awq_gemm_cuda(x, awq_cuda.packed_weight(qw), s, qz, G, b, 4, splits, cluster)
+        out = torch.ops.quantfuse._awq_gemm_cuda(x, repacked(qw), s, qz, G, b, 4, splits, cluster)
         torch.cuda.synchronize()
         ref, mag = reference64(x, q, z, s, G, b, exact=folds(M, N, 4))
         check_close(out, ref, mag, dtype, f"splits={splits} cluster={cluster} M={M} N={N} K={K} G={G}")
@@ -179,7 +118,7 @@ def test_kernel_bad_arguments_raise():
     gen = torch.Generator(device=DEV).manual_seed(2)
     qw, s, qz, G, q, z = make_awq(256, 64, 64, torch.float16, gen)
     x = make_x(1, 256, torch.float16, gen)
-    packed = awq_cuda.packed_weight(qw)
+    packed = repacked(qw)
     with pytest.raises(RuntimeError, match="splits must be 0 .automatic. or 1..8, got 9"):
         torch.ops.quantfuse._awq_gemm_cuda(x, packed, s, qz, G, None, 0, 9)
     with pytest.raises(RuntimeError, match="'qzeros' must be int32 of shape .4, 8."):
@@ -203,56 +142,51 @@ def test_dequantize_exact(dtype, group):
     assert torch.equal(out, expect)
 
 
-def _kernel_names(fn):
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return " ".join(e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-
-
 def test_dispatches_to_kernels():
     gen = torch.Generator(device=DEV).manual_seed(3)
     qw, s, qz, G, q, z = make_awq(1024, 512, 128, torch.float16, gen)
-    x = make_x(awq_cuda.DECODE_MAX_M, 1024, torch.float16, gen)
-    xl = make_x(awq_cuda.DECODE_MAX_M + 1, 1024, torch.float16, gen)
-    xh = make_x(awq_cuda.KERNEL_MAX_M + 1, 1024, torch.float16, gen)
-    assert kernels.ensure_loaded()
-    names = _kernel_names(lambda: torch.ops.quantfuse.awq_gemm(x, qw, s, qz, G))
+    x = make_x(AWQ_DECODE_MAX_M, 1024, torch.float16, gen)
+    xl = make_x(AWQ_DECODE_MAX_M + 1, 1024, torch.float16, gen)
+    xh = make_x(AWQ_KERNEL_MAX_M + 1, 1024, torch.float16, gen)
+    names = names_of(lambda: torch.ops.quantfuse.awq_gemm(x, qw, s, qz, G))
     assert "awq_gemm_kernel" in names, names[:2000]
-    names = _kernel_names(lambda: torch.ops.quantfuse.awq_dequantize(qw, s, qz, G))
+    names = names_of(lambda: torch.ops.quantfuse.awq_dequantize(qw, s, qz, G))
     assert "awq_dequantize_kernel" in names, names[:2000]
-    hopper = torch.cuda.get_device_capability() == (9, 0)
     for xm in (xl, xh):
-        names = _kernel_names(lambda xm=xm: torch.ops.quantfuse.awq_gemm(xm, qw, s, qz, G))
-        if hopper:  # the CUTLASS mixed-input kernel, not the streaming or dequantize ones
+        names = names_of(lambda xm=xm: torch.ops.quantfuse.awq_gemm(xm, qw, s, qz, G))
+        if HOPPER:  # the CUTLASS mixed-input kernel, not the streaming or dequantize ones
             assert "awq_gemm_kernel" not in names and "awq_dequantize_kernel" not in names, names[:2000]
             assert "cutlass" in names.lower() or "device_kernel" in names, names[:2000]
         elif xm is xh:
             assert "awq_dequantize_kernel" in names, names[:2000]
-    # group size 32: the prefill kernel declines, the streaming kernel serves up to KERNEL_MAX_M
+        else:
+            assert "awq_gemm_kernel" in names, names[:2000]
+    # group size 32: the prefill kernel declines, the streaming kernel serves up to AWQ_KERNEL_MAX_M
     qw32, s32, qz32, G32, q32, z32 = make_awq(1024, 512, 32, torch.float16, gen)
-    names = _kernel_names(lambda: torch.ops.quantfuse.awq_gemm(xl, qw32, s32, qz32, G32))
+    names = names_of(lambda: torch.ops.quantfuse.awq_gemm(xl, qw32, s32, qz32, G32))
     assert "awq_gemm_kernel" in names, names[:2000]
-    names = _kernel_names(lambda: torch.ops.quantfuse.awq_gemm(xh, qw32, s32, qz32, G32))
+    names = names_of(lambda: torch.ops.quantfuse.awq_gemm(xh, qw32, s32, qz32, G32))
     assert "awq_dequantize_kernel" in names, names[:2000]
 
 
 def test_repack_cached_and_invalidated():
+    """The repacked weight is made once (derived-value cache: values made, served, live entries),
+    and again after an in-place write to the weight."""
+    stats = torch.ops.quantfuse._derived_cache_stats
     gen = torch.Generator(device=DEV).manual_seed(5)
     qw, s, qz, G, q, z = make_awq(512, 256, 64, torch.bfloat16, gen)
     x = make_x(2, 512, torch.bfloat16, gen)
-    before = dict(awq_cuda.stats)
+    made, hits, _ = stats()
     torch.ops.quantfuse.awq_gemm(x, qw, s, qz, G)
     torch.ops.quantfuse.awq_gemm(x, qw, s, qz, G)
-    assert awq_cuda.stats["computed"] == before["computed"] + 1
-    assert awq_cuda.stats["hits"] >= before["hits"] + 1
+    assert stats()[:2] == [made + 1, hits + 1], (made, hits, stats())
     # modify the weight in place: the cache must notice
     q2 = torch.randint(0, 16, q.shape, generator=gen, device=DEV, dtype=torch.int32)
     qw.copy_(awq_pack(q2))
     out = torch.ops.quantfuse.awq_gemm(x, qw, s, qz, G)
     ref, mag = reference64(x, q2, z, s, G, exact=op_exact(2, 256))
     check_close(out, ref, mag, torch.bfloat16, "after in-place update")
-    assert awq_cuda.stats["computed"] == before["computed"] + 2
+    assert stats()[0] == made + 2, (made, stats())
 
 
 @pytest.mark.parametrize("M", (1, 16, 100))
@@ -262,7 +196,7 @@ def test_cuda_graph_replay(M):
     qw, s, qz, G, q, z = make_awq(K, N, 128, torch.float16, gen)
     b = torch.randn(N, generator=gen, device=DEV).half()
     x = make_x(M, K, torch.float16, gen)
-    torch.ops.quantfuse.awq_gemm(x, qw, s, qz, G, b)  # warm-up: build, repack cache
+    torch.ops.quantfuse.awq_gemm(x, qw, s, qz, G, b)  # warm-up: derived values made and kept
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -285,23 +219,30 @@ def test_fallback_unsupported_n(caplog):
     K, N = 256, 40  # N not a multiple of 64
     qw, s, qz, G, q, z = make_awq(K, N, 64, torch.float16, gen)
     x = make_x(3, K, torch.float16, gen)
-    with caplog.at_level(logging.DEBUG, logger="quantfuse.kernels"):
+    reason = awq_kernel_reason(x, qw, s, qz, G)
+    assert "not a multiple of 64" in reason, reason
+    with caplog.at_level(logging.DEBUG, logger="quantfuse.ops"):
         out = torch.ops.quantfuse.awq_gemm(x, qw, s, qz, G)
-    assert "not a multiple of 64" in caplog.text
+    assert f"quantfuse.awq_gemm: reference runs: {reason}" in caplog.text, caplog.text
     ref, mag = reference64(x, q, z, s, G)  # the op's reference ran
     check_close(out, ref, mag, torch.float16, "fallback")
+    names = names_of(lambda: torch.ops.quantfuse.awq_gemm(x, qw, s, qz, G))
+    assert "quantfuse" not in names, names[:2000]
 
 
 def test_noncontiguous_x_and_empty():
+    """A strided x runs the kernel on a copy; M = 0 gives an empty [0, N] result."""
     gen = torch.Generator(device=DEV).manual_seed(17)
     qw, s, qz, G, q, z = make_awq(512, 128, 32, torch.float16, gen)
     xb = make_x(5, 1024, torch.float16, gen)
     x = xb[:, ::2]  # strided view
+    assert awq_kernel_reason(x, qw, s, qz, G) == ""
     out = torch.ops.quantfuse.awq_gemm(x, qw, s, qz, G)
     ref, mag = reference64(x, q, z, s, G, exact=op_exact(5, 128))
     check_close(out, ref, mag, torch.float16, "strided x")
+    assert "awq_gemm_kernel" in names_of(lambda: torch.ops.quantfuse.awq_gemm(x, qw, s, qz, G))
     empty = torch.ops.quantfuse.awq_gemm(xb[:0, :512], qw, s, qz, G)
-    assert empty.shape == (0, 128)
+    assert empty.shape == (0, 128) and empty.dtype == torch.float16
 
 
 def test_unpack_matches_shifts():

@@ -1,7 +1,8 @@
-"""GPU tests of the Hopper AWQ prefill kernel (csrc/awq_gemm/awq_gemm_sm90*,
-compile_backend/cuda/awq_gemm_sm90.py).
+"""GPU tests of the Hopper AWQ prefill kernel (csrc/awq_gemm/awq_gemm_sm90*) through its private
+ops (``_awq_prepare_sm90_cuda`` once per weight, ``_awq_gemm_sm90_cuda``) and through
+quantfuse.awq_gemm, whose C++ dispatch sends it M > AWQ_DECODE_MAX_M where it takes the shape.
 
-Skipped without CUDA; on a GPU other than sm_90 only the "unsupported" answer is checked.
+Skipped without CUDA; on a GPU other than sm_90 only the other kernels' answer is checked.
 Every case draws fresh random data (zeros include 0 and 15, scales span ~1.6 decades,
 activations ~100 with a few near fp16's top), and compares with a float64 reference of
 x @ ((q - z) * s) computed from the integers.
@@ -20,24 +21,19 @@ errors are uniformly distributed below their bounds, so this has ~1.7x headroom)
 
 from __future__ import annotations
 
+import functools
 import gc
 
 import pytest
 import torch
+from awq_data import make_awq, make_x
+from conftest import AWQ_DECODE_MAX_M, AWQ_SM90_NUM_CONFIGS, DEV, HOPPER, awq_kernel_reason, kernel_names
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU", allow_module_level=True)
-
-from awq_data import make_awq, make_x  # noqa: E402
-
-import compile_backend  # noqa: E402,F401  (registers ops and kernel families)
-from compile_backend import kernels  # noqa: E402
-from compile_backend.cuda import awq_gemm_sm90 as sm90  # noqa: E402
-from compile_backend.quantize import awq_pack  # noqa: E402
+import compile_backend  # noqa: F401  (registers the ops)
+from compile_backend.quantize import awq_pack
 
 pytestmark = pytest.mark.gpu
-DEV = "cuda"
-IS_SM90 = torch.cuda.get_device_capability() == (9, 0)
+IS_SM90 = HOPPER
 needs_sm90 = pytest.mark.skipif(not IS_SM90, reason="the kernel is sm_90a only")
 GROUPS = (64, 128, -1)  # -1: per-channel (group = K); 32 is unsupported (see test below)
 DTYPES = (torch.float16, torch.bfloat16)
@@ -72,23 +68,42 @@ def check(out, x, q, z, s, G, bias, what):
                                 f"(rel {(actual / torch.linalg.norm(ref)).item():.3g})")
 
 
+def sm90_gemm(x, qweight, scales, qzeros, G, bias=None, config=-1):
+    """x @ W + bias through the private ops: the weight prepared, then the SM90 kernel
+    (``config`` 0..AWQ_SM90_NUM_CONFIGS-1 forces a tile configuration, -1 lets it choose)."""
+    wq, s, z = torch.ops.quantfuse._awq_prepare_sm90_cuda(qweight, scales, qzeros, G)
+    return torch.ops.quantfuse._awq_gemm_sm90_cuda(x, wq, s, z, G, bias, config)
+
+
+def routed_to_sm90(names) -> bool:
+    """The profiled kernels are the SM90 kernel's (the CUTLASS mixed-input GEMM), not the
+    streaming or the dequantize kernel."""
+    text = " ".join(names)
+    return ("cutlass" in text.lower() or "device_kernel" in text) and "awq_gemm_kernel" not in text \
+        and "awq_dequantize_kernel" not in text
+
+
 def run_case(M, N, K, group, dtype, seed, bias=False, config=-1):
+    """The private ops (``config`` forced or chosen); with the chosen config and M above
+    AWQ_DECODE_MAX_M also the public op, which the dispatch sends to this kernel."""
     gen = torch.Generator(device=DEV).manual_seed(seed)
     qw, s, qz, G, q, z = make_awq(K, N, group, dtype, gen)
     x = make_x(M, K, dtype, gen)
     b = (torch.randn(N, generator=gen, device=DEV) * 10).to(dtype) if bias else None
-    assert sm90.supports_prefill(x, qw, s, qz, G, b) is None
-    out = sm90.launch_prefill(x, qw, s, qz, G, b, config=config)
+    assert awq_kernel_reason(x, qw, s, qz, G, b) == ""
+    what = f"M={M} N={N} K={K} G={G} {dtype} bias={bias} config={config}"
+    out = sm90_gemm(x, qw, s, qz, G, b, config)
     torch.cuda.synchronize()
-    check(out, x, q, z, s, G, b, f"M={M} N={N} K={K} G={G} {dtype} bias={bias} config={config}")
+    check(out, x, q, z, s, G, b, what)
+    if config == -1 and M > AWQ_DECODE_MAX_M:
+        out = torch.ops.quantfuse.awq_gemm(x, qw, s, qz, G, b)
+        check(out, x, q, z, s, G, b, what + ", public op")
 
 
 @pytest.fixture(scope="module", autouse=True)
-def built():
+def _sm90_built(cuda_kernels):
     if IS_SM90:
-        assert kernels.ensure_loaded(), f"extension failed to build: {kernels.status()}"
         assert hasattr(torch.ops.quantfuse, "_awq_gemm_sm90_cuda"), "SM90 AWQ kernels not in the extension"
-    yield
 
 
 @needs_sm90
@@ -113,7 +128,7 @@ def test_llama_shapes(N, K, M, dtype, group):
 
 
 @needs_sm90
-@pytest.mark.parametrize("config", range(sm90.NUM_CONFIGS))
+@pytest.mark.parametrize("config", range(AWQ_SM90_NUM_CONFIGS))
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_each_config(config, dtype):
     """Every tile configuration at small and large M (partial tiles included), with an
@@ -137,7 +152,7 @@ def test_token_padding_rule():
     assert [rows(m, 5) for m in (1, 88, 89, 161, 300, 320)] == [160, 160, 89, 320, 300, 320]
     assert [rows(m, 10) for m in (123, 124, 225, 448)] == [224, 124, 448, 448]
     with pytest.raises(RuntimeError, match="config in 0..12"):
-        rows(1, sm90.NUM_CONFIGS)
+        rows(1, AWQ_SM90_NUM_CONFIGS)
     assert rows(0, 0) == 0
 
 
@@ -177,68 +192,101 @@ def test_padded_calls(dtype):
 
 @needs_sm90
 def test_prepare_cache_hit_and_invalidation():
+    """The public op prepares a weight once (derived-value cache: values made, served, live
+    entries), again after an in-place write to any of qweight, scales, qzeros, and drops the
+    entry with the weight."""
+    stats = torch.ops.quantfuse._derived_cache_stats
+    gemm = torch.ops.quantfuse.awq_gemm
     gen = torch.Generator(device=DEV).manual_seed(5)
     qw, s, qz, G, q, z = make_awq(512, 256, 128, torch.bfloat16, gen)
     x = make_x(70, 512, torch.bfloat16, gen)
-    before = dict(sm90.stats)
-    sm90.launch_prefill(x, qw, s, qz, G)
-    sm90.launch_prefill(x, qw, s, qz, G)
-    assert sm90.stats["computed"] == before["computed"] + 1
-    assert sm90.stats["hits"] == before["hits"] + 1
+    assert routed_to_sm90(kernel_names(functools.partial(gemm, x, qw, s, qz, G)))  # makes the value
+    made, hits, _ = stats()
+    check(gemm(x, qw, s, qz, G), x, q, z, s, G, None, "cached")
+    check(gemm(x, qw, s, qz, G), x, q, z, s, G, None, "cached again")
+    assert stats()[:2] == [made, hits + 2], (made, hits, stats())
     # in-place changes of any of the three tensors are noticed
     q2 = torch.randint(0, 16, q.shape, generator=gen, device=DEV, dtype=torch.int32)
     qw.copy_(awq_pack(q2))
-    check(sm90.launch_prefill(x, qw, s, qz, G), x, q2, z, s, G, None, "after qweight update")
+    check(gemm(x, qw, s, qz, G), x, q2, z, s, G, None, "after qweight update")
     s.mul_(2)
-    check(sm90.launch_prefill(x, qw, s, qz, G), x, q2, z, s, G, None, "after scales update")
-    assert sm90.stats["computed"] == before["computed"] + 3
+    check(gemm(x, qw, s, qz, G), x, q2, z, s, G, None, "after scales update")
+    z2 = torch.randint(0, 16, z.shape, generator=gen, device=DEV, dtype=torch.int32)
+    qz.copy_(awq_pack(z2))
+    check(gemm(x, qw, s, qz, G), x, q2, z2, s, G, None, "after qzeros update")
+    assert stats()[0] == made + 3, (made, stats())
     # the entry goes with the weight (collect first: earlier tests' tensors may be garbage)
     gc.collect()
-    entries = len(sm90.cache)
+    entries = stats()[2]
     del qw
     gc.collect()
-    assert len(sm90.cache) == entries - 1
+    assert stats()[2] == entries - 1
 
 
 @needs_sm90
 @pytest.mark.parametrize("M", (33, 100, 512))  # 33: padded x (the pad is captured too)
 def test_cuda_graph_replay(M):
+    """The kernel captured on its prepared weight, and the public op captured after a warm-up
+    call; both replay on new activations."""
     gen = torch.Generator(device=DEV).manual_seed(11 + M)
     N, K = 1024, 2048
     qw, s, qz, G, q, z = make_awq(K, N, 128, torch.float16, gen)
     b = (torch.randn(N, generator=gen, device=DEV) * 10).to(torch.float16)
     x = make_x(M, K, torch.float16, gen)
-    sm90.launch_prefill(x, qw, s, qz, G, b)  # warm-up: prepares and caches the weight
+    wq, s2, z2 = torch.ops.quantfuse._awq_prepare_sm90_cuda(qw, s, qz, G)
+    torch.ops.quantfuse._awq_gemm_sm90_cuda(x, wq, s2, z2, G, b, -1)  # warm-up
+    torch.ops.quantfuse.awq_gemm(x, qw, s, qz, G, b)  # warm-up: the dispatch prepares and keeps the weight
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = sm90.launch_prefill(x, qw, s, qz, G, b)
+        out = torch.ops.quantfuse._awq_gemm_sm90_cuda(x, wq, s2, z2, G, b, -1)
+        out_op = torch.ops.quantfuse.awq_gemm(x, qw, s, qz, G, b)
     for _ in range(2):  # new activations each replay
         x.copy_(make_x(M, K, torch.float16, gen))
+        out.fill_(float("nan"))
+        out_op.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
         check(out, x, q, z, s, G, b, f"graph replay M={M}")
+        check(out_op, x, q, z, s, G, b, f"graph replay M={M}, public op")
 
 
 @needs_sm90
-def test_m_zero_and_unsupported():
+def test_m_zero_and_other_kernels():
+    """M = 0 gives an empty result; where the SM90 kernel does not take the shape (group 32,
+    N not a multiple of 128) the public op runs the dequantize kernel + cuBLAS at M = 100; an x
+    at a misaligned start runs the SM90 kernel on a copy.  Every result within the bound."""
     gen = torch.Generator(device=DEV).manual_seed(9)
     qw, s, qz, G, q, z = make_awq(512, 256, 128, torch.float16, gen)
-    assert sm90.launch_prefill(torch.empty(0, 512, device=DEV, dtype=torch.float16), qw, s, qz, G).shape == (0, 256)
+    empty = torch.empty(0, 512, device=DEV, dtype=torch.float16)
+    assert torch.ops.quantfuse.awq_gemm(empty, qw, s, qz, G).shape == (0, 256)
+    assert sm90_gemm(empty, qw, s, qz, G).shape == (0, 256)
     x = make_x(100, 512, torch.float16, gen)
-    qw32, s32, qz32, G32, *_ = make_awq(512, 256, 32, torch.float16, gen)
-    assert "K tile" in sm90.supports_prefill(x, qw32, s32, qz32, G32)
-    qwn, sn, qzn, Gn, *_ = make_awq(512, 320, 128, torch.float16, gen)
-    assert "N = 320" in sm90.supports_prefill(x, qwn, sn, qzn, Gn)
-    assert "CUDA" in sm90.supports_prefill(x.cpu(), qw.cpu(), s.cpu(), qz.cpu(), G)
+    qw32, s32, qz32, G32, q32, z32 = make_awq(512, 256, 32, torch.float16, gen)
+    qwn, sn, qzn, Gn, qn, zn = make_awq(512, 320, 128, torch.float16, gen)
+    for what, (qw_, s_, qz_, G_, q_, z_) in {"group 32": (qw32, s32, qz32, G32, q32, z32),
+                                              "N = 320": (qwn, sn, qzn, Gn, qn, zn)}.items():
+        assert awq_kernel_reason(x, qw_, s_, qz_, G_) == "", what
+        names = " ".join(kernel_names(lambda qw_=qw_, s_=s_, qz_=qz_, G_=G_: torch.ops.quantfuse.awq_gemm(
+            x, qw_, s_, qz_, G_)))
+        assert "awq_dequantize_kernel" in names and not routed_to_sm90([names]), (what, names[:2000])
+        check(torch.ops.quantfuse.awq_gemm(x, qw_, s_, qz_, G_), x, q_, z_, s_, G_, None, what)
     # x at an odd offset inside a larger buffer: not 16-byte aligned
     buf = torch.empty(100 * 512 + 1, device=DEV, dtype=torch.float16)
-    assert "aligned" in sm90.supports_prefill(buf[1:].view(100, 512), qw, s, qz, G)
+    xm = buf[1:].view(100, 512)
+    xm.copy_(x)
+    assert awq_kernel_reason(xm, qw, s, qz, G) == ""
+    assert routed_to_sm90(kernel_names(lambda: torch.ops.quantfuse.awq_gemm(xm, qw, s, qz, G)))
+    check(torch.ops.quantfuse.awq_gemm(xm, qw, s, qz, G), x, q, z, s, G, None, "misaligned x")
 
 
 @pytest.mark.skipif(IS_SM90, reason="checks the answer on other GPUs")
-def test_not_sm90_reason():
+def test_not_sm90_other_kernels():
+    """Off sm_90 the public op runs the dequantize kernel + cuBLAS at M = 100 (above the
+    streaming kernel's rows), never the SM90 kernel."""
     gen = torch.Generator(device=DEV).manual_seed(1)
-    qw, s, qz, G, *_ = make_awq(512, 256, 128, torch.float16, gen)
+    qw, s, qz, G, q, z = make_awq(512, 256, 128, torch.float16, gen)
     x = make_x(100, 512, torch.float16, gen)
-    assert "sm_90" in sm90.supports_prefill(x, qw, s, qz, G)
+    assert awq_kernel_reason(x, qw, s, qz, G) == ""
+    names = " ".join(kernel_names(lambda: torch.ops.quantfuse.awq_gemm(x, qw, s, qz, G)))
+    assert "awq_dequantize_kernel" in names, names[:2000]

@@ -2,8 +2,10 @@
 
 Skipped without CUDA.  Every epilogue x scale granularity x bias x output dtype x input
 dtype against a float64 reference on fresh random data, all tile configurations, the
-M sweep on LLM-sized (N, K), sliced / offset / unsupported layouts (fallback), CUDA-graph
-capture and replay, and the profiler's proof that the op runs a CUTLASS kernel.
+M sweep on LLM-sized (N, K), sliced / offset / strided / row-major layouts (copied by the
+C++ dispatch to the layout a kernel reads), the inputs no kernel takes (the reference runs,
+with the reason), CUDA-graph capture and replay, and the profiler's proof of which kernel
+runs.
 """
 
 from __future__ import annotations
@@ -15,34 +17,29 @@ import os
 
 import pytest
 import torch
+from conftest import (
+    DECODE_MAX_M,
+    FP8_CUBLASLT_MIN_M,
+    INS,
+    OUTS,
+    check_w8a8,
+    epilogue64,
+    exact_acc,
+    kernel_names,
+    load_cuda_kernels,
+    needs_hopper,
+    poison,
+    ran_quantfuse_kernel,
+    rand_q,
+    w8a8_kernel_reason,
+    w8a8_reference64,
+)
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+from compile_backend import ops
 
-if torch.cuda.is_available():
-    import compile_backend.cuda  # noqa: F401  (registers the kernel families)
-    from compile_backend import kernels, ops  # noqa: F401  (registers the ops)
-    from compile_backend.cuda import scaled_mm as qsm
-
-HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-needs_hopper = pytest.mark.skipif(not HOPPER, reason="SM90 kernels need an H100-class GPU")
+pytestmark = pytest.mark.gpu
 
 M_ALL = (1, 2, 15, 16, 17, 33, 64, 100, 128, 256, 512, 4096)
-OUTS = (torch.float16, torch.bfloat16, torch.float32)
-INS = (torch.int8, torch.float8_e4m3fn)
-RTOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 2e-5}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _built():
-    if torch.cuda.is_available():
-        assert kernels.ensure_loaded(), kernels.status()
-    yield
-
-
-def rand_q(shape, dtype, gen=None):
-    if dtype == torch.int8:
-        return torch.randint(-128, 128, shape, dtype=torch.int8, device="cuda")
-    return (torch.randn(shape, device="cuda") * 3).clamp(-448, 448).to(dtype)
 
 
 def make_inputs(M, N, K, in_dtype, out_dtype, sa_tok, sb_ch, with_bias):
@@ -55,46 +52,8 @@ def make_inputs(M, N, K, in_dtype, out_dtype, sa_tok, sb_ch, with_bias):
     return a, b, sa, sb, bias
 
 
-def exact_acc(a, b):
-    """a @ b accumulated exactly in float64 (int8: exact integers; fp8: exact products)."""
-    return torch.matmul(a.to(torch.float64), b.to(torch.float64))
-
-
-def ref_epilogue(acc64, sa, sb, out_dtype, bias):
-    out = acc64 * sb.double().reshape(1, -1) * sa.double().reshape(-1, 1)
-    if bias is not None:
-        out = out + bias.double()
-    return out
-
-
-def check(out, ref64, out_dtype, in_dtype=torch.int8):
-    assert out.dtype == out_dtype
-    assert out.shape == ref64.shape
-    o = out.double()
-    assert torch.isfinite(o).all(), "non-finite output (unwritten or overflow)"
-    rtol = RTOL[out_dtype]
-    # fp8: Hopper's fp8 wgmma accumulates partial sums with reduced precision before the
-    # per-k-tile promotion to fp32 (measured: up to ~3e-4 of max|ref| at K=528).
-    atol_rel = 2e-3 if in_dtype == torch.float8_e4m3fn else rtol * 1e-2
-    err = (o - ref64).abs()
-    bound = rtol * ref64.abs() + atol_rel * ref64.abs().max() + 1e-6
-    bad = err > bound
-    assert not bad.any(), (
-        f"{int(bad.sum())} of {bad.numel()} elements off; max err {err.max().item():.4g}, "
-        f"max |ref| {ref64.abs().max().item():.4g}"
-    )
-
-
-def poison(M, N, out_dtype):
-    """Fill the caching allocator's next block of this size with NaN, so that an output
-    the kernel fails to write shows up as NaN."""
-    t = torch.full((M, N), float("nan"), dtype=torch.float32 if out_dtype == torch.float32 else out_dtype,
-                   device="cuda")
-    del t
-
-
 def run_kernel(a, b, sa, sb, out_dtype, bias=None, azp_adj=None, azp=None, config=-1, swizzle=0, raster=0):
-    poison(a.shape[0], b.shape[1], out_dtype)
+    poison((a.shape[0], b.shape[1]), out_dtype)
     return torch.ops.quantfuse._scaled_mm_cutlass(a, b, sa, sb, out_dtype, bias, azp_adj, azp, 90, config,
                                                   swizzle, raster)
 
@@ -110,10 +69,10 @@ def test_scaled_mm_epilogue_matrix(in_dtype, out_dtype):
     for sa_tok, sb_ch, with_bias in itertools.product((False, True), repeat=3):
         M, N, K = next(ms), 272, 528
         a, b, sa, sb, bias = make_inputs(M, N, K, in_dtype, out_dtype, sa_tok, sb_ch, with_bias)
-        assert qsm.supports(a, b, sa, sb, out_dtype, bias) is None
-        poison(M, N, out_dtype)
+        assert w8a8_kernel_reason(a, b, sa, sb, out_dtype, bias) == ""
+        poison((M, N), out_dtype)
         out = ops.scaled_mm(a, b, sa, sb, out_dtype, bias)
-        check(out, ref_epilogue(exact_acc(a, b), sa, sb, out_dtype, bias), out_dtype, in_dtype)
+        check_w8a8(out, w8a8_reference64(a, b, sa, sb, bias), out_dtype, in_dtype)
 
 
 @needs_hopper
@@ -129,7 +88,7 @@ def test_every_tile_config(config, in_dtype):
                 run_kernel(a, b, sa, sb, torch.bfloat16, bias, config=config)
             continue
         out = run_kernel(a, b, sa, sb, torch.bfloat16, bias, config=config)
-        check(out, ref_epilogue(exact_acc(a, b), sa, sb, torch.bfloat16, bias), torch.bfloat16, in_dtype)
+        check_w8a8(out, w8a8_reference64(a, b, sa, sb, bias), torch.bfloat16, in_dtype)
 
 
 @needs_hopper
@@ -143,10 +102,10 @@ def test_tile_scheduler_swizzle_and_raster(in_dtype):
         cases.append(((1500, 1680, 256), 4))
     for (M, N, K), config in cases:
         a, b, sa, sb, bias = make_inputs(M, N, K, in_dtype, torch.bfloat16, True, True, True)
-        ref = ref_epilogue(exact_acc(a, b), sa, sb, torch.bfloat16, bias)
+        ref = w8a8_reference64(a, b, sa, sb, bias)
         for swizzle, raster in itertools.product((1, 2, 4, 8), (0, 1, 2)):
             out = run_kernel(a, b, sa, sb, torch.bfloat16, bias, config=config, swizzle=swizzle, raster=raster)
-            check(out, ref, torch.bfloat16, in_dtype)
+            check_w8a8(out, ref, torch.bfloat16, in_dtype)
 
 
 @needs_hopper
@@ -167,9 +126,8 @@ def test_decode_config_long_k(in_dtype, out_dtype):
     that a split-K / stream-K variant of this config reduces deterministically)."""
     for M, N, K in ((1, 128, 4112), (3, 256, 8208), (16, 4096, 4096), (32, 6144, 4096), (7, 1152, 14336)):
         a, b, sa, sb, bias = make_inputs(M, N, K, in_dtype, out_dtype, True, True, True)
-        poison(M, N, out_dtype)
         out = run_kernel(a, b, sa, sb, out_dtype, bias, config=3)
-        check(out, ref_epilogue(exact_acc(a, b), sa, sb, out_dtype, bias), out_dtype, in_dtype)
+        check_w8a8(out, w8a8_reference64(a, b, sa, sb, bias), out_dtype, in_dtype)
         again = run_kernel(a, b, sa, sb, out_dtype, bias, config=3)
         assert torch.equal(out, again), f"decode result not reproducible at {M}x{N}x{K}"
 
@@ -188,13 +146,13 @@ def test_m_sweep_llm_shapes(M):
     fp8_ok = os.environ.get("QF_TEST_FP8", "1") == "1"
     in_dtype = torch.float8_e4m3fn if i % 3 == 2 and fp8_ok else torch.int8
     a, b, sa, sb, bias = make_inputs(M, N, K, in_dtype, torch.bfloat16, True, True, True)
-    poison(M, N, torch.bfloat16)
+    poison((M, N), torch.bfloat16)
     out = ops.scaled_mm(a, b, sa, sb, torch.bfloat16, bias)
     if in_dtype == torch.int8 and M > 16:
         acc = torch._int_mm(a, b).double()  # exact int32 accumulation, fast
     else:
         acc = exact_acc(a, b)
-    check(out, ref_epilogue(acc, sa, sb, torch.bfloat16, bias), torch.bfloat16, in_dtype)
+    check_w8a8(out, epilogue64(acc, sa, sb, bias), torch.bfloat16, in_dtype)
 
 
 # ----------------------------------------------------------------------------- scaled_mm_azp
@@ -211,18 +169,16 @@ def test_scaled_mm_azp_matrix(out_dtype, per_token_azp):
         if per_token_azp:
             azp = torch.randint(-60, 60, (M,), dtype=torch.int32, device="cuda")
             azp_adj = colsum
-            acc = exact_acc(a, b) - azp.double().reshape(-1, 1) * colsum.double().reshape(1, -1)
         else:
             za = int(torch.randint(-60, 60, ()).item()) or 7
             azp, azp_adj = None, (za * colsum).to(torch.int32)
-            acc = exact_acc(a, b) - azp_adj.double().reshape(1, -1)
-        assert qsm.supports_azp(a, b, sa, sb, out_dtype, azp_adj, azp, bias) is None
-        poison(M, N, out_dtype)
+        assert w8a8_kernel_reason(a, b, sa, sb, out_dtype, bias, azp_adj, azp) == ""
+        poison((M, N), out_dtype)
         out = ops.scaled_mm_azp(a, b, sa, sb, out_dtype, azp_adj, azp, bias)
-        check(out, ref_epilogue(acc, sa, sb, out_dtype, bias), out_dtype)
+        check_w8a8(out, w8a8_reference64(a, b, sa, sb, bias, azp_adj, azp), out_dtype)
         # and against the op's own reference implementation
         ref = ops.scaled_mm_azp_reference(a, b, sa, sb, out_dtype, azp_adj, azp, bias)
-        check(out, ref.double(), out_dtype)
+        check_w8a8(out, ref.double(), out_dtype)
 
 
 @needs_hopper
@@ -233,47 +189,71 @@ def test_azp_llm_shape(M):
     azp = torch.randint(-100, 100, (M,), dtype=torch.int32, device="cuda")
     colsum = b.to(torch.int32).sum(0, dtype=torch.int32)
     out = ops.scaled_mm_azp(a, b, sa, sb, torch.float16, colsum, azp, bias)
-    acc = exact_acc(a, b) - azp.double().reshape(-1, 1) * colsum.double().reshape(1, -1)
-    check(out, ref_epilogue(acc, sa, sb, torch.float16, bias), torch.float16)
+    check_w8a8(out, w8a8_reference64(a, b, sa, sb, bias, colsum, azp), torch.float16)
 
 
 # ----------------------------------------------------------------------------- layouts, fallback
 
 @needs_hopper
 def test_sliced_and_offset_inputs():
+    """Views the kernels read in place (row pitch K+64, column pitch K+48, 16-byte aligned
+    starts) with an offset and a strided scale and an offset bias, which the dispatch copies."""
     M, N, K = 40, 256, 512
     big_a = rand_q((M + 3, K + 64), torch.int8)
     a = big_a[2 : 2 + M, 32 : 32 + K]  # row pitch K+64, start offset 16-byte aligned
     big_w = rand_q((N + 5, K + 48), torch.int8)
     b = big_w[3 : 3 + N, 16 : 16 + K].t()  # column-major with pitch K+48
     sa_big = torch.rand(M + 1, device="cuda") + 0.5
-    sa = sa_big[1:]  # offset (unaligned) per-token scale: launch realigns it
+    sa = sa_big[1:]  # offset (unaligned) per-token scale: the dispatch realigns it
     sb = (torch.rand(2 * N, device="cuda") + 0.5)[::2]  # strided per-channel scale
     bias = torch.randn(N + 1, device="cuda", dtype=torch.bfloat16)[1:]
-    assert qsm.supports(a, b, sa, sb, torch.bfloat16, bias) is None
+    assert w8a8_kernel_reason(a, b, sa, sb, torch.bfloat16, bias) == ""
     out = ops.scaled_mm(a, b, sa, sb, torch.bfloat16, bias)
-    check(out, ref_epilogue(exact_acc(a, b), sa, sb, torch.bfloat16, bias), torch.bfloat16)
+    check_w8a8(out, w8a8_reference64(a, b, sa, sb, bias), torch.bfloat16)
+    names = kernel_names(lambda: ops.scaled_mm(a, b, sa, sb, torch.bfloat16, bias))
+    assert any("cutlass" in n and "quantfuse" in n for n in names), names
 
 
 @needs_hopper
-def test_unsupported_inputs_fall_back(caplog):
+def test_layouts_are_copied_and_unsupported_shapes_fall_back(caplog):
+    """a or b in a layout no kernel reads (b row-major, a column-major, misaligned starts or
+    pitches) runs the kernel (decode and CUTLASS) on a copy; K or N not a multiple of 16 runs
+    the reference, with the reason logged on quantfuse.ops, and no kernel of ours.  Every
+    result matches the float64 reference."""
     M, N, K = 8, 64, 128
     a, b, sa, sb, bias = make_inputs(M, N, K, torch.int8, torch.float16, True, True, True)
-    cases = {
-        "b row-major": (a, b.contiguous()),
-        "a misaligned": (rand_q((M, K + 1), torch.int8)[:, 1:], b),
+    copied = {  # name: (a of M rows, b)
+        "b row-major": (lambda m: rand_q((m, K)), b.contiguous()),
+        "a misaligned": (lambda m: rand_q((m, K + 1))[:, 1:], b),
+        "a column-major": (lambda m: rand_q((K, m)).t(), b),
+        "a and b misaligned": (lambda m: rand_q((m, K + 1))[:, 1:], rand_q((N, K + 8))[:, 8:].t()),
+    }
+    for name, (make_a, bb) in copied.items():
+        for m in (M, 40):  # the decode kernel, CUTLASS
+            aa, sa_m = make_a(m), torch.rand(m, device="cuda") + 0.5
+            assert w8a8_kernel_reason(aa, bb, sa_m, sb, torch.float16, bias) == "", name
+            out = ops.scaled_mm(aa, bb, sa_m, sb, torch.float16, bias)
+            check_w8a8(out, w8a8_reference64(aa, bb, sa_m, sb, bias), torch.float16, what=f"{name}, M={m}")
+            names = kernel_names(functools.partial(ops.scaled_mm, aa, bb, sa_m, sb, torch.float16, bias))
+            kernel = "scaled_mm_decode" if m <= DECODE_MAX_M else "cutlass"
+            assert any(kernel in n and "quantfuse" in n for n in names), (name, m, names)
+    unsupported = {
         "K not multiple of 16": (a[:, :120], b[:120]),
         "N not multiple of 16": (a, b[:, :56]),
     }
-    for name, (aa, bb) in cases.items():
-        assert qsm.supports(aa, bb, sa, sb[: bb.shape[1]], torch.float16, bias[: bb.shape[1]]) is not None, name
-        with caplog.at_level(logging.DEBUG, logger="quantfuse.kernels"):
-            out = ops.scaled_mm(aa, bb, sa, sb[: bb.shape[1]], torch.float16, bias[: bb.shape[1]])
-        ref = ref_epilogue(exact_acc(aa, bb), sa, sb[: bb.shape[1]], torch.float16, bias[: bb.shape[1]])
-        check(out, ref, torch.float16)
-    assert "reference runs" in caplog.text
+    for name, (aa, bb) in unsupported.items():
+        sb_n, bias_n = sb[: bb.shape[1]], bias[: bb.shape[1]]
+        reason = w8a8_kernel_reason(aa, bb, sa, sb_n, torch.float16, bias_n)
+        assert "multiples of 16" in reason, (name, reason)
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="quantfuse.ops"):
+            out = ops.scaled_mm(aa, bb, sa, sb_n, torch.float16, bias_n)
+        assert f"quantfuse.scaled_mm: reference runs: {reason}" in caplog.text, (name, caplog.text)
+        check_w8a8(out, w8a8_reference64(aa, bb, sa, sb_n, bias_n), torch.float16, what=name)
+        names = kernel_names(functools.partial(ops.scaled_mm, aa, bb, sa, sb_n, torch.float16, bias_n))
+        assert not ran_quantfuse_kernel(names), (name, names)
     # malformed input still raises the op's error, not a kernel error
-    with pytest.raises(ops.QuantfuseInputError):
+    with pytest.raises(ops.QuantfuseInputError, match="scale_a"):
         ops.scaled_mm(a, b, sa[:3], sb, torch.float16, bias)
 
 
@@ -297,16 +277,7 @@ def test_cuda_graph_capture_and_replay():
         sa.copy_(torch.rand(M, device="cuda") + 0.5)
         g.replay()
         torch.cuda.synchronize()
-        check(out, ref_epilogue(exact_acc(a, b), sa, sb, torch.bfloat16, bias), torch.bfloat16)
-
-
-def _kernel_names(fn):
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        check_w8a8(out, w8a8_reference64(a, b, sa, sb, bias), torch.bfloat16)
 
 
 @needs_hopper
@@ -314,7 +285,7 @@ def test_fp8_prefill_routes_to_cublaslt_where_measured_faster():
     """fp8 with per-token x per-channel scales from FP8_CUBLASLT_MIN_M rows runs torch._scaled_mm
     (no quantfuse kernel); fewer rows, a per-tensor scale or float32 output with a bias run our
     CUTLASS kernels.  Every path matches the float64 reference."""
-    N, K, fp8, m0 = 1024, 512, torch.float8_e4m3fn, qsm.FP8_CUBLASLT_MIN_M
+    N, K, fp8, m0 = 1024, 512, torch.float8_e4m3fn, FP8_CUBLASLT_MIN_M
     assert m0 > 16  # above the decode kernel's rows
     cases = ((m0, True, torch.bfloat16, False), (m0 + 300, True, torch.float16, False),
              (m0 - 1, True, torch.bfloat16, True), (m0 + 256, False, torch.bfloat16, True),
@@ -322,18 +293,19 @@ def test_fp8_prefill_routes_to_cublaslt_where_measured_faster():
     for M, per_token, out_dtype, ours in cases:
         args = (*make_inputs(M, N, K, fp8, out_dtype, per_token, True, True)[:4], out_dtype)
         bias = torch.randn(N, device="cuda").to(out_dtype)
-        poison(M, N, out_dtype)
+        assert w8a8_kernel_reason(*args, bias) == ""
+        poison((M, N), out_dtype)
         out = ops.scaled_mm(*args, bias)
-        check(out, ref_epilogue(exact_acc(*args[:2]), *args[2:4], out_dtype, bias), out_dtype, fp8)
-        names = _kernel_names(functools.partial(ops.scaled_mm, *args, bias))
-        assert any("quantfuse" in n for n in names) == ours, (M, per_token, out_dtype, names)
+        check_w8a8(out, w8a8_reference64(*args[:4], bias), out_dtype, fp8)
+        names = kernel_names(functools.partial(ops.scaled_mm, *args, bias))
+        assert ran_quantfuse_kernel(names) == ours, (M, per_token, out_dtype, names)
 
 
 @needs_hopper
 def test_op_runs_cutlass_kernel_eager_and_compiled():
     M, N, K = 64, 1024, 1024
     a, b, sa, sb, bias = make_inputs(M, N, K, torch.int8, torch.bfloat16, True, True, True)
-    names = _kernel_names(lambda: ops.scaled_mm(a, b, sa, sb, torch.bfloat16, bias))
+    names = kernel_names(lambda: ops.scaled_mm(a, b, sa, sb, torch.bfloat16, bias))
     assert any("cutlass" in n for n in names), names
 
     def f(a, b, sa, sb, bias):
@@ -343,15 +315,15 @@ def test_op_runs_cutlass_kernel_eager_and_compiled():
 
     cf = torch.compile(f, backend=quantfuse, fullgraph=True)
     out = cf(a, b, sa, sb, bias)
-    names = _kernel_names(lambda: cf(a, b, sa, sb, bias))
+    names = kernel_names(lambda: cf(a, b, sa, sb, bias))
     assert any("cutlass" in n for n in names), names
-    check(out, 2 * ref_epilogue(exact_acc(a, b), sa, sb, torch.bfloat16, bias), torch.bfloat16)
+    check_w8a8(out, 2 * w8a8_reference64(a, b, sa, sb, bias), torch.bfloat16)
 
 
 def _sanitize_driver():
     """A few shapes of every kernel family and tile config, for compute-sanitizer:
     ``compute-sanitizer --tool memcheck python tests/test_cuda_scaled_mm.py``."""
-    assert kernels.ensure_loaded(), kernels.status()
+    load_cuda_kernels()
     shapes = ((1, 64, 256), (33, 144, 272), (130, 400, 512))
     n = 0
     fp8 = os.environ.get("QF_SANITIZE_FP8", "1") == "1"
@@ -361,7 +333,7 @@ def _sanitize_driver():
                 continue  # config 4 is fp8 only
             a, b, sa, sb, bias = make_inputs(M, N, K, in_dtype, torch.bfloat16, True, True, True)
             out = run_kernel(a, b, sa, sb, torch.bfloat16, bias, config=config)
-            check(out, ref_epilogue(exact_acc(a, b), sa, sb, torch.bfloat16, bias), torch.bfloat16, in_dtype)
+            check_w8a8(out, w8a8_reference64(a, b, sa, sb, bias), torch.bfloat16, in_dtype)
             n += 1
         if config == 4:
             continue  # the azp epilogues are int8 only
@@ -369,10 +341,9 @@ def _sanitize_driver():
         colsum = b.to(torch.int32).sum(0, dtype=torch.int32)
         azp = torch.randint(-60, 60, (M,), dtype=torch.int32, device="cuda")
         out = run_kernel(a, b, sa, sb, torch.float16, None, colsum, azp, config=config)
-        acc = exact_acc(a, b) - azp.double().reshape(-1, 1) * colsum.double().reshape(1, -1)
-        check(out, ref_epilogue(acc, sa, sb, torch.float16, None), torch.float16)
+        check_w8a8(out, w8a8_reference64(a, b, sa, sb, None, colsum, azp), torch.float16)
         out = run_kernel(a, b, sa, sb, torch.float32, None, 3 * colsum, None, config=config)
-        check(out, ref_epilogue(exact_acc(a, b) - 3 * colsum.double(), sa, sb, torch.float32, None), torch.float32)
+        check_w8a8(out, w8a8_reference64(a, b, sa, sb, None, 3 * colsum), torch.float32)
         n += 2
     torch.cuda.synchronize()
     print(f"sanitize driver: {n} kernel calls checked")
@@ -380,7 +351,7 @@ def _sanitize_driver():
 
 def _probe(in_name: str, config: int, out_name: str = "f16"):
     """One kernel call (debugging: run in a subprocess, or under cuda-gdb)."""
-    assert kernels.ensure_loaded(), kernels.status()
+    load_cuda_kernels()
     in_dtype = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[in_name]
     out_dtype = dict(zip(("f16", "bf16", "f32"), OUTS))[out_name]
     M, N, K = 33, 144, 272
@@ -388,7 +359,7 @@ def _probe(in_name: str, config: int, out_name: str = "f16"):
     print(f"probe {in_name} {out_name} config {config}: calling", flush=True)
     out = run_kernel(a, b, sa, sb, out_dtype, bias, config=config)
     torch.cuda.synchronize()
-    check(out, ref_epilogue(exact_acc(a, b), sa, sb, out_dtype, bias), out_dtype, in_dtype)
+    check_w8a8(out, w8a8_reference64(a, b, sa, sb, bias), out_dtype, in_dtype)
     print(f"probe {in_name} {out_name} config {config}: ok", flush=True)
 
 

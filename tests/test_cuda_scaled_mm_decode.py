@@ -3,9 +3,9 @@ quantfuse::_scaled_mm_decode_cuda (csrc/scaled_mm/scaled_mm_decode*).
 
 Skipped without CUDA.  Every M up to 16 x int8/fp8 x every epilogue x scale granularity x
 bias x output dtype against a float64 reference on fresh random data; LLM-sized (N, K);
-sliced / offset inputs; N not a multiple of the 32-channel tile; forced cluster splits
-(int8 results bitwise equal for every split); CUDA-graph capture and replay; routing of the
-public ops (profiler) and the fallbacks.
+sliced / offset inputs, and layouts the kernel does not read (copied by the dispatch);
+N not a multiple of the 32-channel tile; forced cluster splits (int8 results bitwise equal
+for every split); CUDA-graph capture and replay; routing of the public ops (profiler).
 """
 
 from __future__ import annotations
@@ -15,19 +15,26 @@ import itertools
 
 import pytest
 import torch
+from conftest import (
+    CAP,
+    DECODE_MAX_M,
+    INS,
+    OUTS,
+    check_w8a8,
+    kernel_names,
+    load_cuda_kernels,
+    poison,
+    ran_quantfuse_kernel,
+    rand_q,
+    w8a8_kernel_reason,
+    w8a8_reference64,
+)
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+from compile_backend import ops
 
-if torch.cuda.is_available():
-    import compile_backend.cuda  # noqa: F401  (registers the kernel families)
-    from compile_backend import kernels, ops
-    from compile_backend.cuda import scaled_mm as qsm
+pytestmark = pytest.mark.gpu
 
-CAP = torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
 M_ALL = (1, 2, 3, 7, 8, 9, 15, 16)
-OUTS = (torch.float16, torch.bfloat16, torch.float32)
-INS = (torch.int8, torch.float8_e4m3fn)
-RTOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 2e-5}
 LLM_NK = ((4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336))
 SMALL_NK = ((64, 128), (192, 320), (72, 528))  # 72: not a multiple of the 16-channel tile
 # epilogue kinds: symmetric, per-tensor zero point (folded into azp_adj), per-token zero points
@@ -38,26 +45,10 @@ def _cap_ok(in_dtype):
     return CAP >= ((8, 9) if in_dtype == torch.float8_e4m3fn else (8, 0))
 
 
-@pytest.fixture
-def route_decode(monkeypatch):
-    """Route the public ops' M <= 16 calls to the decode kernel (off by default, see
-    compile_backend/cuda/scaled_mm.py DECODE_MAX_M)."""
-    monkeypatch.setattr(qsm, "DECODE_MAX_M", 16)
-
-
 @pytest.fixture(scope="module", autouse=True)
-def _built():
-    if torch.cuda.is_available():
-        assert kernels.ensure_loaded(), kernels.status()
-        if not hasattr(torch.ops.quantfuse, "_scaled_mm_decode_cuda"):
-            pytest.skip("decode kernel not built (QUANTFUSE_CSRC_ONLY)")
-    yield
-
-
-def rand_q(shape, dtype):
-    if dtype == torch.int8:
-        return torch.randint(-128, 128, shape, dtype=torch.int8, device="cuda")
-    return (torch.randn(shape, device="cuda") * 3).clamp(-448, 448).to(dtype)
+def _decode_built(cuda_kernels):
+    if not hasattr(torch.ops.quantfuse, "_scaled_mm_decode_cuda"):
+        pytest.skip("decode kernel not built (QUANTFUSE_CSRC_ONLY)")
 
 
 def make(M, N, K, in_dtype, out_dtype, sa_tok, sb_ch, with_bias, epi="sym"):
@@ -77,42 +68,8 @@ def make(M, N, K, in_dtype, out_dtype, sa_tok, sb_ch, with_bias, epi="sym"):
     return a, b, sa, sb, bias, azp_adj, azp
 
 
-def reference(a, b, sa, sb, bias, azp_adj=None, azp=None):
-    """float64: exact products and sums, the zero-point term, scales, bias."""
-    acc = torch.matmul(a.to(torch.float64), b.to(torch.float64))
-    if azp_adj is not None:
-        adj = azp_adj.double().reshape(1, -1)
-        acc = acc - (adj if azp is None else azp.double().reshape(-1, 1) * adj)
-    out = acc * sb.double().reshape(1, -1) * sa.double().reshape(-1, 1)
-    return out + bias.double() if bias is not None else out
-
-
-def check(out, ref64, out_dtype, in_dtype):
-    assert out.dtype == out_dtype and out.shape == ref64.shape
-    o = out.double()
-    assert torch.isfinite(o).all(), "non-finite output (unwritten or overflow)"
-    rtol = RTOL[out_dtype]
-    # int8: exact accumulation, the only error is the final rounding; fp8: fp32 partial sums
-    # of the tensor cores, summed in another order than the reference (same bound as the
-    # CUTLASS fp8 tests).
-    atol_rel = 2e-3 if in_dtype == torch.float8_e4m3fn else rtol * 1e-2
-    err = (o - ref64).abs()
-    bound = rtol * ref64.abs() + atol_rel * ref64.abs().max() + 1e-6
-    bad = err > bound
-    assert not bad.any(), (
-        f"{int(bad.sum())} of {bad.numel()} elements off; max err {err.max().item():.4g}, "
-        f"max |ref| {ref64.abs().max().item():.4g}; first bad at {bad.nonzero()[0].tolist()}"
-    )
-
-
-def poison(M, N, out_dtype):
-    """Fill the caching allocator's next block of this size with NaN (unwritten -> NaN)."""
-    t = torch.full((M, N), float("nan"), dtype=out_dtype, device="cuda")
-    del t
-
-
 def decode(a, b, sa, sb, out_dtype, bias=None, azp_adj=None, azp=None, splits=-1):
-    poison(a.shape[0], b.shape[1], out_dtype)
+    poison((a.shape[0], b.shape[1]), out_dtype)
     return torch.ops.quantfuse._scaled_mm_decode_cuda(a, b, sa, sb, out_dtype, bias, azp_adj, azp, splits)
 
 
@@ -132,7 +89,7 @@ def test_epilogue_matrix(in_dtype, out_dtype):
         N, K = next(shapes)
         a, b, sa, sb, bias, azp_adj, azp = make(M, N, K, in_dtype, out_dtype, sa_tok, sb_ch, with_bias, epi)
         out = decode(a, b, sa, sb, out_dtype, bias, azp_adj, azp)
-        check(out, reference(a, b, sa, sb, bias, azp_adj, azp), out_dtype, in_dtype)
+        check_w8a8(out, w8a8_reference64(a, b, sa, sb, bias, azp_adj, azp), out_dtype, in_dtype)
         n += 1
     assert n == len(M_ALL) * len(epis) * 8
 
@@ -160,7 +117,7 @@ def test_llm_shapes(in_dtype, NK):
             azp_adj = colsum if epi == "azptok" else (7 * colsum).to(torch.int32)
             azp = torch.randint(-60, 60, (M,), dtype=torch.int32, device="cuda") if epi == "azptok" else None
         out = decode(a, b, sa, sb, out_dtype, bias, azp_adj, azp)
-        check(out, reference(a, b, sa, sb, bias, azp_adj, azp), out_dtype, in_dtype)
+        check_w8a8(out, w8a8_reference64(a, b, sa, sb, bias, azp_adj, azp), out_dtype, in_dtype)
 
 
 # ----------------------------------------------------------------------------- work split
@@ -173,11 +130,11 @@ def test_forced_splits(in_dtype):
         pytest.skip(f"{in_dtype} needs a newer GPU")
     for M, N, K in ((1, 4096, 4096), (16, 192, 320), (9, 4096, 14336), (3, 72, 4112), (16, 64, 16)):
         a, b, sa, sb, bias, _, _ = make(M, N, K, in_dtype, torch.float32, True, True, True)
-        ref = reference(a, b, sa, sb, bias)
+        ref = w8a8_reference64(a, b, sa, sb, bias)
         first = None
         for splits in (-1, 1, 2, 3, 5, 8):
             out = decode(a, b, sa, sb, torch.float32, bias, splits=splits)
-            check(out, ref, torch.float32, in_dtype)
+            check_w8a8(out, ref, torch.float32, in_dtype)
             assert torch.equal(out, decode(a, b, sa, sb, torch.float32, bias, splits=splits)), (M, N, K, splits)
             if in_dtype == torch.int8:
                 if first is None:
@@ -185,9 +142,9 @@ def test_forced_splits(in_dtype):
                 assert torch.equal(out, first), f"int8 result depends on splits={splits} at {M}x{N}x{K}"
         # forced warp counts with and without clusters (benchmark knobs of the tuning op)
         for splits, warps, batch in ((-1, 1, 4), (2, 1, 2), (1, 8, 4), (3, 2, 2), (8, 8, -1)):
-            poison(M, N, torch.float32)
+            poison((M, N), torch.float32)
             out = torch.ops.quantfuse._scaled_mm_decode_tune(a, b, sa, sb, torch.float32, bias, splits, warps, batch)
-            check(out, ref, torch.float32, in_dtype)
+            check_w8a8(out, ref, torch.float32, in_dtype)
             if in_dtype == torch.int8:
                 assert torch.equal(out, first), f"int8 result depends on {(splits, warps, batch)} at {M}x{N}x{K}"
 
@@ -208,8 +165,9 @@ def test_config_choice():
 # ----------------------------------------------------------------------------- layouts
 
 @pytest.mark.parametrize("in_dtype", INS, ids=["int8", "fp8"])
-def test_sliced_and_offset_inputs(in_dtype, route_decode):
-    """a with a larger row pitch and an offset start; b from a wider, offset weight."""
+def test_sliced_and_offset_inputs(in_dtype):
+    """a with a larger row pitch and an offset start; b from a wider, offset weight: the public
+    op runs the decode kernel on them in place (a strided scale and an offset bias it copies)."""
     if not _cap_ok(in_dtype):
         pytest.skip(f"{in_dtype} needs a newer GPU")
     for M, N, K in ((5, 256, 512), (16, 4096, 4096), (1, 96, 1040)):
@@ -220,40 +178,52 @@ def test_sliced_and_offset_inputs(in_dtype, route_decode):
         sa = torch.rand(M, device="cuda") + 0.5
         sb = (torch.rand(2 * N, device="cuda") + 0.5)[::2]  # strided: the public op realigns it
         bias = torch.randn(N + 1, device="cuda", dtype=torch.bfloat16)[1:]
-        assert qsm.supports(a, b, sa, sb, torch.bfloat16, bias) is None
-        assert qsm._decode_reason(a, b) is None
-        poison(M, N, torch.bfloat16)
+        assert w8a8_kernel_reason(a, b, sa, sb, torch.bfloat16, bias) == ""
+        names = kernel_names(functools.partial(ops.scaled_mm, a, b, sa, sb, torch.bfloat16, bias))
+        assert any("scaled_mm_decode" in n for n in names), names
+        poison((M, N), torch.bfloat16)
         out = ops.scaled_mm(a, b, sa, sb, torch.bfloat16, bias)
-        check(out, reference(a, b, sa, sb, bias), torch.bfloat16, in_dtype)
+        check_w8a8(out, w8a8_reference64(a, b, sa, sb, bias), torch.bfloat16, in_dtype)
         out = decode(a, b, sa, sb.contiguous(), torch.bfloat16, bias.clone())
-        check(out, reference(a, b, sa, sb, bias), torch.bfloat16, in_dtype)
+        check_w8a8(out, w8a8_reference64(a, b, sa, sb, bias), torch.bfloat16, in_dtype)
 
 
-def test_fallbacks_and_errors(route_decode):
-    """Inputs the decode kernel does not take are routed elsewhere; the private op names
+def test_routing_layout_copies_and_errors():
+    """The public op runs the decode kernel up to DECODE_MAX_M rows, also on layouts the kernel
+    does not read (a misaligned, b row-major: it runs on a copy), and another kernel from
+    DECODE_MAX_M + 1 rows; every result matches the float64 reference.  The private op names
     the argument it refuses."""
     M, N, K = 4, 64, 128
     a, b, sa, sb, bias, _, _ = make(M, N, K, torch.int8, torch.float16, True, True, True)
-    assert qsm._decode_reason(a, b) is None
-    assert "M=" in qsm._decode_reason(rand_q((17, K), torch.int8), b)
-    assert qsm._decode_reason(rand_q((M, K + 8), torch.int8)[:, 8:], b) is not None  # misaligned a
-    assert qsm._decode_reason(a, b.contiguous()) is not None  # b row-major
+    cases = {
+        "in place": (a, b),
+        "a misaligned": (rand_q((M, K + 8), torch.int8)[:, 8:], b),
+        "b row-major": (a, b.contiguous()),
+    }
+    for name, (aa, bb) in cases.items():
+        assert w8a8_kernel_reason(aa, bb, sa, sb, torch.float16, bias) == "", name
+        names = kernel_names(functools.partial(ops.scaled_mm, aa, bb, sa, sb, torch.float16, bias))
+        assert any("scaled_mm_decode" in n for n in names), (name, names)
+        out = ops.scaled_mm(aa, bb, sa, sb, torch.float16, bias)
+        check_w8a8(out, w8a8_reference64(aa, bb, sa, sb, bias), torch.float16, torch.int8, what=name)
+    if hasattr(torch.ops.quantfuse, "_scaled_mm_cutlass"):  # else a decode-only build (QUANTFUSE_CSRC_ONLY)
+        a17, sa17 = rand_q((DECODE_MAX_M + 1, K), torch.int8), torch.rand(DECODE_MAX_M + 1, device="cuda") + 0.5
+        names = kernel_names(functools.partial(ops.scaled_mm, a17, b, sa17, sb, torch.float16, bias))
+        assert not any("scaled_mm_decode" in n for n in names) and ran_quantfuse_kernel(names), names
+        out = ops.scaled_mm(a17, b, sa17, sb, torch.float16, bias)
+        check_w8a8(out, w8a8_reference64(a17, b, sa17, sb, bias), torch.float16, torch.int8, what="M = 17")
     with pytest.raises(RuntimeError, match="M = 17"):
         torch.ops.quantfuse._scaled_mm_decode_cuda(rand_q((17, K), torch.int8), b, sa[:1], sb, torch.float16)
     with pytest.raises(RuntimeError, match="column-major"):
         torch.ops.quantfuse._scaled_mm_decode_cuda(a, b.contiguous(), sa, sb, torch.float16)
     with pytest.raises(RuntimeError, match="scale_b"):
         torch.ops.quantfuse._scaled_mm_decode_cuda(a, b, sa, sb[:3], torch.float16)
-    # a misaligned a through the public op still gives the right answer (another path)
-    aa = rand_q((M, K + 8), torch.int8)[:, 8:]
-    out = ops.scaled_mm(aa, b, sa, sb, torch.float16, bias)
-    check(out, reference(aa, b, sa, sb, bias), torch.float16, torch.int8)
 
 
 # ----------------------------------------------------------------------------- graphs, routing
 
 @pytest.mark.parametrize("in_dtype", INS, ids=["int8", "fp8"])
-def test_cuda_graph_capture_and_replay(in_dtype, route_decode):
+def test_cuda_graph_capture_and_replay(in_dtype):
     if not _cap_ok(in_dtype):
         pytest.skip(f"{in_dtype} needs a newer GPU")
     M, N, K = 8, 4096, 4096
@@ -273,38 +243,29 @@ def test_cuda_graph_capture_and_replay(in_dtype, route_decode):
         out.fill_(float("nan"))
         g.replay()
         torch.cuda.synchronize()
-        check(out, reference(a, b, sa, sb, bias), torch.bfloat16, in_dtype)
+        check_w8a8(out, w8a8_reference64(a, b, sa, sb, bias), torch.bfloat16, in_dtype)
 
 
-def _kernel_names(fn):
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-
-
-def test_public_ops_route_small_m_to_decode(route_decode):
+def test_public_ops_route_small_m_to_decode():
     N, K = 1024, 1024
-    for M in (1, 16):
+    for M in (1, DECODE_MAX_M):
         a, b, sa, sb, bias, azp_adj, azp = make(M, N, K, torch.int8, torch.bfloat16, True, True, True, "azptok")
-        names = _kernel_names(functools.partial(ops.scaled_mm, a, b, sa, sb, torch.bfloat16, bias))
+        names = kernel_names(functools.partial(ops.scaled_mm, a, b, sa, sb, torch.bfloat16, bias))
         assert any("scaled_mm_decode" in n for n in names), names
-        names = _kernel_names(functools.partial(ops.scaled_mm_azp, a, b, sa, sb, torch.bfloat16, azp_adj, azp, bias))
+        names = kernel_names(functools.partial(ops.scaled_mm_azp, a, b, sa, sb, torch.bfloat16, azp_adj, azp, bias))
         assert any("scaled_mm_decode" in n for n in names), names
         out = ops.scaled_mm_azp(a, b, sa, sb, torch.bfloat16, azp_adj, azp, bias)
-        check(out, reference(a, b, sa, sb, bias, azp_adj, azp), torch.bfloat16, torch.int8)
+        check_w8a8(out, w8a8_reference64(a, b, sa, sb, bias, azp_adj, azp), torch.bfloat16, torch.int8)
     if not hasattr(torch.ops.quantfuse, "_scaled_mm_cutlass"):
         return  # a decode-only build (QUANTFUSE_CSRC_ONLY): nothing serves M = 17
-    a, b, sa, sb, bias, _, _ = make(17, N, K, torch.int8, torch.bfloat16, True, True, True)
-    names = _kernel_names(lambda: ops.scaled_mm(a, b, sa, sb, torch.bfloat16, bias))
+    a, b, sa, sb, bias, _, _ = make(DECODE_MAX_M + 1, N, K, torch.int8, torch.bfloat16, True, True, True)
+    names = kernel_names(lambda: ops.scaled_mm(a, b, sa, sb, torch.bfloat16, bias))
     assert not any("scaled_mm_decode" in n for n in names), names
 
 
 def _sanitize_driver():
     """``compute-sanitizer --tool memcheck|racecheck python tests/test_cuda_scaled_mm_decode.py``."""
-    assert kernels.ensure_loaded(), kernels.status()
+    load_cuda_kernels()
     n = 0
     for (M, N, K), splits, in_dtype in itertools.product(((1, 64, 128), (9, 72, 528), (16, 4096, 1024)),
                                                           (1, 3, 8), INS):
@@ -313,7 +274,7 @@ def _sanitize_driver():
         epi = "azptok" if in_dtype == torch.int8 and n % 2 else "sym"
         a, b, sa, sb, bias, azp_adj, azp = make(M, N, K, in_dtype, torch.float16, True, True, True, epi)
         out = decode(a, b, sa, sb, torch.float16, bias, azp_adj, azp, splits=splits)
-        check(out, reference(a, b, sa, sb, bias, azp_adj, azp), torch.float16, in_dtype)
+        check_w8a8(out, w8a8_reference64(a, b, sa, sb, bias, azp_adj, azp), torch.float16, in_dtype)
         n += 1
     torch.cuda.synchronize()
     print(f"sanitize driver: {n} decode kernel calls checked")

@@ -6,45 +6,53 @@ trees) also run on Hopper, so every test forces them with
 reference (ops.py's exact product, epilogue in float64) on fresh random data: every
 epilogue x scale granularity x bias x output dtype, the M sweep on LLM-sized (N, K), every
 tile configuration on edge tiles, sliced inputs, CUDA-graph capture and replay, bitwise
-reproducibility at long K, and fp8 on arch 80 (a clear error from the op;
-the Python dispatch sends fp8 on non-Hopper GPUs to the reference).
+reproducibility at long K, fp8 on arch 80 (a clear error from the op), and the public op's
+kernel choice on this GPU (the SM80 kernels where it is not a Hopper; on a Hopper they are
+reached only by forcing arch=80).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import pytest
 import torch
+from conftest import (
+    CAP,
+    DECODE_MAX_M,
+    HOPPER,
+    OUT_IDS,
+    OUTS,
+    check_w8a8,
+    epilogue64,
+    kernel_names,
+    poison,
+    ran_quantfuse_kernel,
+    rand_q,
+    w8a8_kernel_reason,
+    w8a8_reference64,
+)
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+from compile_backend import ops
 
-if torch.cuda.is_available():
-    import compile_backend.cuda  # noqa: F401  (registers the kernel families)
-    from compile_backend import kernels, ops
-    from compile_backend.cuda import scaled_mm as qsm
+pytestmark = pytest.mark.gpu
 
 ARCH = 80
 M_ALL = (1, 2, 15, 16, 17, 33, 64, 100, 128, 256, 512, 4096)
-OUTS = (torch.float16, torch.bfloat16, torch.float32)
-OUT_IDS = ("f16", "bf16", "f32")
 ZPS = ("none", "tensor", "token")  # no zero point / per-tensor (folded into azp_adj) / per-token
-RTOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 2e-5}
 SMALL_NK = ((64, 128), (192, 320))
 LLM_NK = ((4096, 4096), (6144, 4096))
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _built():
-    if torch.cuda.is_available():
-        assert kernels.ensure_loaded(), kernels.status()
-        if torch.cuda.get_device_capability() < (8, 0):
-            pytest.skip("the SM80 kernels need compute capability 8.0 or later")
-    yield
+def _sm80_or_later(cuda_kernels):
+    if CAP < (8, 0):
+        pytest.skip("the SM80 kernels need compute capability 8.0 or later")
 
 
 def rand_i8(shape):
-    return torch.randint(-128, 128, shape, dtype=torch.int8, device="cuda")
+    return rand_q(shape, torch.int8)
 
 
 class Case:
@@ -68,19 +76,13 @@ class Case:
 
     def run(self, config=-1, arch=ARCH):
         M, N = self.a.shape[0], self.b.shape[1]
-        poison(M, N, self.out_dtype)
+        poison((M, N), self.out_dtype)
         return torch.ops.quantfuse._scaled_mm_cutlass(
             self.a, self.b, self.sa, self.sb, self.out_dtype, self.bias, self.azp_adj, self.azp, arch, config)
 
     def reference(self):
         acc = ops._exact_float64_product(self.a, self.b)
-        if self.azp_adj is not None:
-            adj = self.azp_adj.double().reshape(1, -1)
-            acc = acc - (adj if self.azp is None else self.azp.double().reshape(-1, 1) * adj)
-        out = acc * self.sb.double().reshape(1, -1) * self.sa.double().reshape(-1, 1)
-        if self.bias is not None:
-            out = out + self.bias.double()
-        return out
+        return epilogue64(acc, self.sa, self.sb, self.bias, self.azp_adj, self.azp)
 
     def ops_reference(self):
         if self.azp_adj is None:
@@ -89,28 +91,7 @@ class Case:
             self.a, self.b, self.sa, self.sb, self.out_dtype, self.azp_adj, self.azp, self.bias)
 
     def check(self, out, what=""):
-        check(out, self.reference(), self.out_dtype, what)
-
-
-def check(out, ref64, out_dtype, what=""):
-    assert out.dtype == out_dtype and out.shape == ref64.shape, (what, out.dtype, out.shape)
-    o = out.double()
-    assert torch.isfinite(o).all(), f"{what}: non-finite output (unwritten or overflow)"
-    rtol = RTOL[out_dtype]
-    err = (o - ref64).abs()
-    bound = rtol * ref64.abs() + rtol * 1e-2 * ref64.abs().max() + 1e-6
-    bad = err > bound
-    assert not bad.any(), (
-        f"{what}: {int(bad.sum())} of {bad.numel()} elements off; max err {err.max().item():.4g}, "
-        f"max |ref| {ref64.abs().max().item():.4g}"
-    )
-
-
-def poison(M, N, out_dtype):
-    """Fill the caching allocator's next block of this size with NaN, so that an output the
-    kernel fails to write shows up as NaN."""
-    t = torch.full((M, N), float("nan"), dtype=out_dtype, device="cuda")
-    del t
+        check_w8a8(out, self.reference(), self.out_dtype, what=what)
 
 
 # ----------------------------------------------------------------------------- epilogue matrix
@@ -134,7 +115,7 @@ def test_matches_ops_reference(out_dtype, zp):
     for M in (1, 33, 256):
         case = Case(M, 192, 320, out_dtype, True, True, True, zp)
         out = case.run()
-        check(out, case.ops_reference().double(), out_dtype, f"M={M} vs ops reference")
+        check_w8a8(out, case.ops_reference().double(), out_dtype, what=f"M={M} vs ops reference")
 
 
 # ----------------------------------------------------------------------------- LLM shapes
@@ -192,9 +173,16 @@ def test_long_k_reproducible(M, N, K):
 
 # ----------------------------------------------------------------------------- layouts
 
+def realigned(t):
+    """A contiguous copy at a fresh (aligned) allocation, as the C++ dispatch makes of scales,
+    bias and zero points that are strided or misaligned before it calls the private op."""
+    return None if t is None else t.clone(memory_format=torch.contiguous_format)
+
+
 def test_sliced_and_offset_inputs():
     """a and b as views with row pitches larger than K and offset (16-byte aligned) starts;
-    scales and bias realigned by the dispatch's _prep, as launch does."""
+    scales, bias and zero points offset or strided: the private op takes them realigned, the
+    public op as they are (its dispatch realigns them)."""
     M, N, K = 40, 256, 512
     d = torch.device("cuda")
     a = rand_i8((M + 3, K + 64))[2 : 2 + M, 32 : 32 + K]
@@ -202,13 +190,18 @@ def test_sliced_and_offset_inputs():
     assert a.stride() == (K + 64, 1) and b.stride() == (1, K + 48)
     for zp in ZPS:
         case = Case(M, N, K, torch.bfloat16, True, True, True, zp, a=a, b=b)
-        case.sa = qsm._prep((torch.rand(M + 1, device=d) + 0.5)[1:], d)  # offset start
-        case.sb = qsm._prep((torch.rand(2 * N, device=d) + 0.5)[::2], d)  # strided
-        case.bias = qsm._prep(torch.randn(N + 1, device=d, dtype=torch.bfloat16)[1:], d)
-        if zp == "token":
-            case.azp = qsm._prep(torch.randint(-60, 60, (M + 1,), dtype=torch.int32, device=d)[1:], d)
-        assert qsm.supports(a, b, case.sa, case.sb, torch.bfloat16, case.bias) is None
+        sa = (torch.rand(M + 1, device=d) + 0.5)[1:]  # offset start
+        sb = (torch.rand(2 * N, device=d) + 0.5)[::2]  # strided
+        bias = torch.randn(N + 1, device=d, dtype=torch.bfloat16)[1:]
+        azp = torch.randint(-60, 60, (M + 1,), dtype=torch.int32, device=d)[1:] if zp == "token" else None
+        case.sa, case.sb, case.bias, case.azp = realigned(sa), realigned(sb), realigned(bias), realigned(azp)
+        assert w8a8_kernel_reason(a, b, sa, sb, torch.bfloat16, bias, case.azp_adj, azp) == ""
         case.check(case.run(), f"sliced zp={zp}")
+        if case.azp_adj is None:
+            public = ops.scaled_mm(a, b, sa, sb, torch.bfloat16, bias)
+        else:
+            public = ops.scaled_mm_azp(a, b, sa, sb, torch.bfloat16, case.azp_adj, azp, bias)
+        case.check(public, f"sliced zp={zp}, public op")
 
 
 # ----------------------------------------------------------------------------- graphs, profiler
@@ -237,13 +230,8 @@ def test_cuda_graph_capture_and_replay(M):
 
 
 def test_runs_the_cutlass_2x_kernel():
-    from torch.profiler import ProfilerActivity, profile
-
     case = Case(64, 1024, 1024, torch.bfloat16, True, True, True)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        case.run()
-        torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    names = kernel_names(case.run)
     # the 2.x kernels launch as cutlass::Kernel2<...DefaultGemmWithVisitor...>, the SM90 ones
     # as cutlass::device_kernel<...>
     assert any("cutlass" in n and ("Kernel2" in n or "Visitor" in n) for n in names), names
@@ -259,24 +247,49 @@ def test_fp8_on_arch80_is_a_clear_error():
         torch.ops.quantfuse._scaled_mm_cutlass(a, b, sa, sa, torch.bfloat16, None, None, None, ARCH, -1)
 
 
-def test_dispatch_on_non_hopper_gpus(monkeypatch):
-    """As on an A100/L40 (capability faked): int8 is taken by the kernels (the op then picks
-    the SM80 ones), fp8 runs the reference with a reason, and the result is the reference's."""
-    index = torch.cuda.current_device()
-    a8 = rand_i8((16, 128))
-    b8 = rand_i8((64, 128)).t()
-    af = torch.randn(16, 128, device="cuda").to(torch.float8_e4m3fn)
-    bf = torch.randn(64, 128, device="cuda").to(torch.float8_e4m3fn).t()
-    sa, sb = torch.rand(16, device="cuda") + 0.5, torch.rand(64, device="cuda") + 0.5
-    for cap in ((8, 0), (8, 6), (8, 9)):
-        monkeypatch.setitem(kernels._capabilities, index, cap)
-        assert qsm.supports(a8, b8, sa, sb, torch.bfloat16) is None
-        reason = qsm.supports(af, bf, sa, sb, torch.bfloat16)
-        assert reason is not None and "fp8" in reason, reason
-        out = ops.scaled_mm(af, bf, sa, sb, torch.bfloat16)
-        assert torch.equal(out, ops.scaled_mm_reference(af, bf, sa, sb, torch.bfloat16))
-    monkeypatch.setitem(kernels._capabilities, index, (7, 5))
-    assert "sm_80" in qsm.supports(a8, b8, sa, sb, torch.bfloat16)
+def _sm80_kernel(names) -> bool:
+    # the 2.x kernels launch as cutlass::Kernel2<...>, the SM90 ones as cutlass::device_kernel<...>
+    return any("cutlass" in n and "Kernel2" in n for n in names)
+
+
+def test_kernel_choice_on_this_gpu():
+    """The C++ dispatch reads the GPU's capability itself, so the choice is checked on the GPU
+    present.  int8: a kernel takes every M; forced onto the SM80 kernels (arch=80, which also
+    run on a Hopper) and through the public op (the decode kernel up to DECODE_MAX_M rows, above
+    it the SM90 kernels on a Hopper and the SM80 ones elsewhere) the result matches the float64
+    reference.  fp8: a kernel takes it on a Hopper at any M and from sm_89 up to DECODE_MAX_M
+    rows (the decode kernel); elsewhere the reason names fp8 and the public op returns the
+    reference's result, bitwise."""
+    N, K = 64, 128
+    bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
+    for M in (DECODE_MAX_M, DECODE_MAX_M + 1, 300):
+        case = Case(M, N, K, bf16, True, True, True)
+        assert w8a8_kernel_reason(case.a, case.b, case.sa, case.sb, bf16, case.bias) == ""
+        names = kernel_names(case.run)
+        assert _sm80_kernel(names), names
+        case.check(case.run(), f"arch=80, M={M}")
+        public = functools.partial(ops.scaled_mm, case.a, case.b, case.sa, case.sb, bf16, case.bias)
+        case.check(public(), f"public op, M={M}")
+        names = kernel_names(public)
+        if M <= DECODE_MAX_M:
+            assert any("scaled_mm_decode" in n for n in names), names
+        elif HOPPER:
+            assert ran_quantfuse_kernel(names) and not _sm80_kernel(names), names
+        else:
+            assert _sm80_kernel(names), names
+    for M in (DECODE_MAX_M, DECODE_MAX_M + 1):
+        af, bf = rand_q((M, K), fp8), rand_q((N, K), fp8).t()
+        sa, sb = torch.rand(M, device="cuda") + 0.5, torch.rand(N, device="cuda") + 0.5
+        reason = w8a8_kernel_reason(af, bf, sa, sb, bf16)
+        out = ops.scaled_mm(af, bf, sa, sb, bf16)
+        if HOPPER or (CAP >= (8, 9) and M <= DECODE_MAX_M):
+            assert reason == "", (M, reason)
+            check_w8a8(out, w8a8_reference64(af, bf, sa, sb), bf16, fp8, what=f"fp8 M={M}")
+            assert ran_quantfuse_kernel(kernel_names(lambda af=af, bf=bf, sa=sa, sb=sb: ops.scaled_mm(
+                af, bf, sa, sb, bf16)))
+        else:
+            assert reason != "" and "fp8" in reason, (M, reason)
+            assert torch.equal(out, ops.scaled_mm_reference(af, bf, sa, sb, bf16))
 
 
 def test_arch_zero_picks_by_capability():

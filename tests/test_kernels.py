@@ -1,4 +1,5 @@
-"""The CUDA extension loader and dispatch, on a machine without a GPU."""
+"""The CUDA kernels' loader, and the ops' way to the reference where no kernel runs, on a
+machine without a GPU."""
 
 from __future__ import annotations
 
@@ -9,13 +10,12 @@ import sys
 import pytest
 import torch
 
-from compile_backend import kernels
+from compile_backend import kernels, ops
 
 
 @pytest.fixture
 def fresh_loader(monkeypatch):
     monkeypatch.setattr(kernels, "_state", {"status": "unloaded", "error": None, "kernels": None, "library": None})
-    monkeypatch.setattr(kernels, "_families", dict(kernels._families))
     monkeypatch.setattr(kernels, "prebuilt_library", lambda: None)  # as in a source checkout
     return kernels
 
@@ -40,11 +40,23 @@ def test_cpu_machine_does_nothing_and_prints_nothing():
         assert out.stderr == torch_alone.stderr
 
 
-def test_unsupported_input_runs_reference_with_debug_reason(fresh_loader, caplog):
-    fresh_loader.register("scaled_mm", lambda *a, **k: "K = 24 is not a multiple of 16", lambda *a, **k: 1 / 0)
-    with caplog.at_level(logging.DEBUG, logger="quantfuse.kernels"):
-        assert fresh_loader.try_cuda("scaled_mm", (), {}) is None
-    assert "scaled_mm: reference runs: K = 24 is not a multiple of 16" in caplog.text
+def _w8a8(K=32):
+    a = torch.randint(-5, 5, (3, K), dtype=torch.int8)
+    return a, torch.randint(-5, 5, (8, K), dtype=torch.int8).t(), torch.ones(1), torch.ones(1), torch.float32
+
+
+def test_reference_with_a_reason_logs_it_at_debug(caplog):
+    """Where no kernel takes an input, the C++ dispatch calls quantfuse::_<op>_reference with the
+    reason: it is logged on quantfuse.ops and the reference's result returned."""
+    args = _w8a8(24)
+    with caplog.at_level(logging.DEBUG, logger="quantfuse.ops"):
+        out = torch.ops.quantfuse._scaled_mm_reference(*args, None, "K = 24 is not a multiple of 16")
+    assert "quantfuse.scaled_mm: reference runs: K = 24 is not a multiple of 16" in caplog.text
+    assert torch.equal(out, ops.scaled_mm_reference(*args))
+    # a malformed input raises the op's error from there
+    a, b, sa, sb, out_dtype = args
+    with pytest.raises(ops.QuantfuseInputError, match="scale_a"):
+        torch.ops.quantfuse._scaled_mm_reference(a, b, torch.ones(2), sb, out_dtype, None, "a reason")
 
 
 def test_build_failure_warns_once_then_references_run(fresh_loader, monkeypatch, caplog):
@@ -56,24 +68,25 @@ def test_build_failure_warns_once_then_references_run(fresh_loader, monkeypatch,
         raise RuntimeError("nvcc not found")
 
     monkeypatch.setattr(fresh_loader, "build", failing_build)
-    fresh_loader.register("awq_gemm", lambda *a, **k: None, lambda *a, **k: 1 / 0)
+    # the ops' registrations stay as they are (on a GPU the loaded kernels' must stay active)
+    monkeypatch.setattr(ops, "_bootstrap_lib", None)
+    monkeypatch.setattr(ops, "_install_bootstrap", lambda: None)
     with pytest.warns(RuntimeWarning, match="could not be built or loaded.*nvcc not found"):
-        assert fresh_loader.try_cuda("awq_gemm", (), {}) is None
-    with caplog.at_level(logging.DEBUG, logger="quantfuse.kernels"):
-        import warnings
+        assert not fresh_loader.ensure_loaded()
+    import warnings
 
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # a second warning would fail here
-            assert fresh_loader.try_cuda("awq_gemm", (), {}) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second warning would fail here
+        assert not fresh_loader.ensure_loaded()
+        # The ops' CUDA bootstrap (the implementation a CUDA call meets before the kernels are
+        # loaded) asks the loader, which says no: the reference runs, with the reason logged.
+        args = _w8a8()
+        with caplog.at_level(logging.DEBUG, logger="quantfuse.ops"):
+            out = ops._cuda_bootstrap("scaled_mm")(*args)
     assert attempts == [1]
-    assert "CUDA extension not available" in caplog.text
     assert fresh_loader.status()["status"] == "failed"
-
-
-def test_supported_input_launches_kernel(fresh_loader, monkeypatch):
-    monkeypatch.setattr(fresh_loader, "ensure_loaded", lambda: True)
-    fresh_loader.register("awq_dequantize", lambda x: None, lambda x: x + 1)
-    assert fresh_loader.try_cuda("awq_dequantize", (41,), {}) == 42
+    assert "quantfuse.scaled_mm: reference runs: the CUDA kernels are not available" in caplog.text
+    assert torch.equal(out, ops.scaled_mm_reference(*args))
 
 
 def test_arch_flags():
@@ -90,10 +103,13 @@ def test_sources_subset_and_cutlass_override(monkeypatch, tmp_path):
         (root / family).mkdir(parents=True)
         (root / family / f"{family}.cu").write_text("")
         (root / family / "notes.md").write_text("")
+    (root / "common").mkdir()
     monkeypatch.setattr(kernels, "csrc_dir", lambda: root)
     assert [p.name for p in kernels.sources()] == ["awq_gemm.cu", "scaled_mm.cu"]
+    assert kernels.status()["families"] == ["awq_gemm", "scaled_mm"]
     monkeypatch.setenv("QUANTFUSE_CSRC_ONLY", "awq_gemm")
     assert [p.name for p in kernels.sources()] == ["awq_gemm.cu"]
+    assert kernels.status()["families"] == ["awq_gemm"]
     assert kernels.extension_name() == "quantfuse_C_awq_gemm"
     (root / "scaled_mm" / "scaled_mm_sm80.cu").write_text("")
     monkeypatch.setenv("QUANTFUSE_CSRC_ONLY", "scaled_mm/scaled_mm_sm80,awq_gemm")

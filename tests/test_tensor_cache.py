@@ -1,5 +1,6 @@
 """compile_backend.tensor_cache: values derived from tensors, computed once per tensor
-(CPU; the CUDA caches of the AWQ kernels and weight_colsum use the same class)."""
+(weight_colsum's CPU implementation uses it; on CUDA the kernels' library keeps its own cache,
+csrc/common/derived_cache.*, tested in test_cuda_dispatch.py)."""
 
 from __future__ import annotations
 
