@@ -183,6 +183,19 @@ def _load() -> bool:
     return bool(built)
 
 
+# Called (under the loader's lock) right before the library is loaded, and after a load
+# that did not happen: compile_backend.ops removes its Python CUDA implementations of the
+# public ops first, so that the library's C++ ones replace nothing, and puts them back if
+# there is no library.
+_before_load: list = []
+_after_failed_load: list = []
+
+
+def on_load(before, after_failure) -> None:
+    _before_load.append(before)
+    _after_failed_load.append(after_failure)
+
+
 def ensure_loaded() -> bool:
     """True when the kernels are loaded; loads or builds them on first call. Never raises."""
     if _state["status"] == "loaded":
@@ -195,6 +208,8 @@ def ensure_loaded() -> bool:
         if not torch.cuda.is_available() or os.environ.get("QUANTFUSE_DISABLE_CUDA") == "1":
             _state["status"] = "absent"
             return False
+        for hook in _before_load:
+            hook()
         try:
             _state["status"] = "loaded" if _load() else "absent"
         except Exception as exc:  # any build or load failure: run the references instead
@@ -205,6 +220,9 @@ def ensure_loaded() -> bool:
                 RuntimeWarning,
                 stacklevel=2,
             )
+        if _state["status"] != "loaded":
+            for hook in _after_failed_load:
+                hook()
     return _state["status"] == "loaded"
 
 

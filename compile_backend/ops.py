@@ -366,6 +366,8 @@ _BOOTSTRAPPED = dict(REFERENCES)
 
 def _install_bootstrap() -> None:
     global _bootstrap_lib
+    if _bootstrap_lib is not None:
+        return
     _bootstrap_lib = torch.library.Library(NAMESPACE, "IMPL", "CUDA")
     for name in _BOOTSTRAPPED:
         _bootstrap_lib.impl(name, _cuda_bootstrap(name))
@@ -379,20 +381,20 @@ def add_cuda_bootstrap(name: str, fallback) -> None:
         _bootstrap_lib.impl(name, _cuda_bootstrap(name))
 
 
-def _load_kernels() -> bool:
-    """Loads the CUDA kernels, whose library registers the public ops' CUDA implementations in
-    place of the bootstrap ones; True when they are loaded."""
+def _remove_bootstrap() -> None:
     global _bootstrap_lib
-    if kernels.status()["status"] == "loaded":
-        return True
     if _bootstrap_lib is not None:
-        # Removed first, so that the library's registrations replace nothing.
         _bootstrap_lib._destroy()
         _bootstrap_lib = None
-    loaded = kernels.ensure_loaded()
-    if not loaded:
-        _install_bootstrap()
-    return loaded
+
+
+def _load_kernels() -> bool:
+    """Loads the CUDA kernels, whose library registers the public ops' CUDA implementations in
+    place of the bootstrap ones (``kernels.on_load``); True when they are loaded."""
+    return kernels.ensure_loaded()
+
+
+kernels.on_load(_remove_bootstrap, _install_bootstrap)
 
 
 _lib = torch.library.Library(NAMESPACE, "DEF")
