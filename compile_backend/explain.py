@@ -15,7 +15,9 @@ def explain(model, *example_inputs, dynamic=None, options=None):
     and return the ``FusionReport`` (printable): every fused subgraph, and every
     matmul with quantized-looking inputs that was not fused, with the reason.
 
-    Inductor's caches are bypassed so that the passes really run.
+    The model runs under the caller's grad mode (``torch.no_grad()`` or not), as the
+    caller's own compile would.  Inductor's caches are bypassed so that the passes
+    really run.
     """
     from compile_backend.passes import collecting_report
 
@@ -25,7 +27,8 @@ def explain(model, *example_inputs, dynamic=None, options=None):
     backend = functools.partial(quantfuse, options=opts)
     with collecting_report() as report, torch._functorch.config.patch(enable_autograd_cache=False):
         compiled = torch.compile(model, backend=backend, dynamic=dynamic)
-        with torch.no_grad():
-            compiled(*example_inputs)
+        # Under the caller's grad mode: with an input or parameter that requires grad, Inductor
+        # compiles a joint forward + backward graph, and the report says what that compile fuses.
+        compiled(*example_inputs)
     log.info("%s", report)
     return report

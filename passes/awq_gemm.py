@@ -80,6 +80,7 @@ from dataclasses import dataclass
 
 import torch
 from torch._inductor.pattern_matcher import (
+    MULTIPLE,
     CallFunction,
     Ignored,
     KeywordArg,
@@ -91,7 +92,17 @@ from torch._inductor.pattern_matcher import (
 
 from compile_backend.ops import AWQ_ACT_DTYPES, AWQ_PACK, AWQ_SHIFTS
 
-from .fx_helpers import CONVERT, VIEWS, Plan, Reject, no_alpha, register_checked, static_shape, tensor_val
+from .fx_helpers import (
+    CONVERT,
+    VIEWS,
+    Plan,
+    Reject,
+    check_private,
+    no_alpha,
+    register_checked,
+    static_shape,
+    tensor_val,
+)
 
 aten, prims = torch.ops.aten, torch.ops.prims
 
@@ -317,22 +328,29 @@ class _Variant:
     scales_first: bool  # s * (w - z) instead of (w - z) * s
 
 
+# The weight-side nodes may have other users in the pattern's eyes (``_users=MULTIPLE``):
+# under grad mode the backward of ``mm(x, W)`` reads ``W`` (``grad_x = grad_y @ W.t()``).
+# ``_plan`` then allows backward users only (``check_private``).
+_ANY = MULTIPLE
+
+
 def _group_expand(name: str, kind: str) -> PatternExpr:
     arg = KeywordArg(name)
     if kind == "broadcast":
         return arg
-    e = CallFunction(aten.expand.default, CallFunction(aten.unsqueeze.default, arg, Ignored()), Ignored())
+    unsqueezed = CallFunction(aten.unsqueeze.default, arg, Ignored(), _users=_ANY)
+    e = CallFunction(aten.expand.default, unsqueezed, Ignored(), _users=_ANY)
     if kind == "clone":
-        e = CallFunction(aten.clone.default, e)
-    return CallFunction(VIEWS, e, Ignored())
+        e = CallFunction(aten.clone.default, e, _users=_ANY)
+    return CallFunction(VIEWS, e, Ignored(), _users=_ANY)
 
 
 def _mm_pattern(v: _Variant) -> PatternExpr:
-    diff = CallFunction(aten.sub.Tensor, KeywordArg("w_unpacked"), _group_expand("z_unpacked", v.zeros))
+    diff = CallFunction(aten.sub.Tensor, KeywordArg("w_unpacked"), _group_expand("z_unpacked", v.zeros), _users=_ANY)
     if v.cast:
-        diff = CallFunction(CONVERT, diff, Ignored())
+        diff = CallFunction(CONVERT, diff, Ignored(), _users=_ANY)
     s = _group_expand("scales", v.scales)
-    weight = CallFunction(aten.mul.Tensor, *((s, diff) if v.scales_first else (diff, s)))
+    weight = CallFunction(aten.mul.Tensor, *((s, diff) if v.scales_first else (diff, s)), _users=_ANY)
     return CallFunction(aten.mm.default, KeywordArg("x"), weight)
 
 
@@ -425,6 +443,7 @@ def _plan(v: _Variant, match: Match) -> Plan:
     fusion = _analyze(v, match)
     if isinstance(fusion, str):
         raise Reject(fusion)
+    check_private(match, [n for n in match.nodes if n is not match.output_node()], "the dequantized weight")
     group_size = fusion.group_size
 
     def build(x, qweight, scales, qzeros):

@@ -6,7 +6,8 @@ candidate when one of its operands traces back, through element-wise and
 layout ops, to an int8 / uint8 / float8 tensor, an int32 tensor that is
 unpacked with shifts or masks (packed int4); ``_int_mm`` itself always is.
 Tracing stops at GEMM outputs, so float matmuls downstream of a quantized layer
-are not candidates.  Each candidate is reported with the reason a pattern's check
+are not candidates, and the backward matmuls of a joint (grad-mode) graph are
+not either: the passes fuse the forward only.  Each candidate is reported with the reason a pattern's check
 remembered on the node (``report.note_reason``), or, when no pattern matched
 its structure at all, with what its inputs look like.
 """
@@ -18,7 +19,7 @@ import torch
 import compile_backend.ops  # noqa: F401  (torch.ops.quantfuse.*)
 
 from . import report
-from .fx_helpers import tensor_val
+from .fx_helpers import is_backward, tensor_val
 
 aten = torch.ops.aten
 
@@ -68,12 +69,22 @@ def quantized_source(node, depth: int = MAX_DEPTH, seen=None) -> str | None:
     return None
 
 
+_REPORTED_NODE = "quantfuse_candidate_reported"
+
+
 def report_unfused(graph: torch.fx.Graph) -> list[tuple[str, str]]:
     """Record every matmul still in ``graph`` whose inputs look quantized; returns (node, reason) pairs."""
     found = []
     for node in graph.nodes:
         if node.op != "call_function" or node.target not in MATMULS:
             continue
+        # The backward of a joint graph is eager's own autograd (grad_y @ w_deq and the like);
+        # the passes fuse forward matmuls only.  A forward matmul is reported once: the
+        # partitioner copies a joint graph's nodes, with their meta, into the forward graph
+        # the post-grad slot sees.
+        if is_backward(node) or node.meta.get(_REPORTED_NODE):
+            continue
+        node.meta[_REPORTED_NODE] = True
         if node.target is aten._int_mm.default:
             source = f"{node.name} itself (int8 x int8 -> int32)"
         else:

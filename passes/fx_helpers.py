@@ -87,6 +87,52 @@ def is_scalar_like(s) -> bool:
     return isinstance(s, torch.Tensor) and known(s.numel() == 1)
 
 
+# --------------------------------------------------------------------------- joint (forward + backward) graphs
+#
+# Under grad mode (any input requires grad, e.g. a trainable LayerNorm before a
+# quantized linear) AOTAutograd traces one joint graph of the forward and its
+# backward, and the joint-graph slot runs on it before the partitioner splits it.
+# The backward there is eager's own autograd of the source, and it reads forward
+# values: ``mm(x_dq, w_deq.t())`` has ``grad_x_dq = grad_y @ w_deq`` reading the
+# dequantized weight, and a scale computed from ``x`` gets
+# ``sum(grad_x_dq * q)`` reading the quantized activation.  A family therefore
+# fuses only the forward: its patterns accept extra users of the dequantization
+# nodes when those users are backward nodes (``check_private``), the fused op
+# replaces the forward matmul, and the backward keeps reading the dequantization
+# nodes, which the partitioner then computes in the backward graph.  Gradients
+# are eager's, computed by eager's formulas.
+
+
+def is_backward(node) -> bool:
+    """Whether ``node`` belongs to the backward part of an AOTAutograd joint graph.
+
+    AOTAutograd tags every node it traces for the backward (``partitioner_tag``
+    ``"is_backward"``, ``autograd_backward``); the tags survive partitioning, so a
+    backward graph's nodes carry them too.  The incoming gradients are the
+    ``tangents_*`` placeholders.
+    """
+    if not isinstance(node, Node):
+        return False
+    meta = node.meta
+    if meta.get("partitioner_tag") == "is_backward" or meta.get("autograd_backward"):
+        return True
+    return node.op == "placeholder" and str(node.target).startswith("tangents")
+
+
+def check_private(match: Match, nodes, what: str) -> None:
+    """Every node of ``nodes`` (part of ``match``) is used only inside the match or by the backward.
+
+    A forward user outside the match would keep the dequantization alive next to
+    the fused op (e.g. a dequantized weight that is also returned): fusing would
+    add work instead of removing it, so the candidate is left alone.
+    """
+    inside = set(match.nodes)
+    for node in nodes:
+        for user in node.users:
+            require(user in inside or is_backward(user),
+                    f"{what} ({node.name}) is also used by {user.name} outside the matmul")
+
+
 # --------------------------------------------------------------------------- checks
 
 
@@ -154,6 +200,8 @@ def register_checked(pattern: PatternExpr, passes, family: str, form: str | None
     label = family if form is None else f"{family} ({form})"
 
     def extra_check(match: Match) -> bool:
+        if is_backward(match.output_node()):
+            return False  # a joint graph's backward stays eager's own autograd
         try:
             plan = plan_fn(match)
             # The replacement returns the source's dtype, whatever the checks concluded.
@@ -263,10 +311,14 @@ def activation_dequant(zero_point: bool) -> Iterator[tuple[PatternExpr, bool]]:
 
 
 def weight_dequant_t() -> Iterator[PatternExpr]:
-    """``(w.to(dt) * scale_b).t()`` (``t`` decomposes to ``permute([1, 0])``)."""
-    w = CallFunction(CONVERT, KeywordArg("w"), KeywordArg("w_dt"))
-    for deq in mul_either(w, KeywordArg("scale_b")):
-        yield CallFunction(aten.permute.default, deq, [1, 0])
+    """``(w.to(dt) * scale_b).t()`` (``t`` decomposes to ``permute([1, 0])``).
+
+    Its nodes may have other users in the pattern's eyes; ``check_dequant_matmul``
+    allows only backward ones (``check_private``).
+    """
+    w = CallFunction(CONVERT, KeywordArg("w"), KeywordArg("w_dt"), _users=MULTIPLE)
+    for deq in mul_either(w, KeywordArg("scale_b"), users=MULTIPLE):
+        yield CallFunction(aten.permute.default, deq, [1, 0], _users=MULTIPLE)
 
 
 def dequant_matmul_patterns(zero_point: bool) -> Iterator[tuple[str, PatternExpr]]:
@@ -303,6 +355,16 @@ class DequantMatmul:
     bias: Node | None
 
 
+def weight_side(match: Match) -> list[Node]:
+    """The nodes of a dequant-then-matmul match from the weight to the matmul: ``.t()``, ``*``, ``.to``."""
+    inside, nodes = set(match.nodes), []
+    node = match.output_node().args[-1]
+    while isinstance(node, Node) and node in inside:
+        nodes.append(node)
+        node = next((a for a in node.args if isinstance(a, Node) and a in inside), None)
+    return nodes
+
+
 def check_view(match: Match, a, viewed: bool) -> None:
     if not viewed:
         return
@@ -328,6 +390,7 @@ def check_dequant_matmul(match: Match, *, viewed: bool, zero_point: bool) -> Deq
     sa_kind = activation_scale_kind(val(kw["scale_a"]), a)
     sb_kind = weight_scale_kind(val(kw["scale_b"]), w)
     check_view(match, a, viewed)
+    check_private(match, weight_side(match), "the dequantized weight")
     bias = kw.get("bias")
     if bias is not None:
         require(bias_ok(val(bias), w.shape[0], out_dtype),

@@ -10,7 +10,8 @@ reference implementations).  That keeps each case well under a second.
 
 Stable API (other test modules import it):
 
-* ``apply_passes(fn, *args, dynamic=False, families=None, stage="joint"|"post_grad"|"reshape") -> PassResult``
+* ``apply_passes(fn, *args, dynamic=False, families=None, stage="joint"|"post_grad"|"reshape",
+  grad=False) -> PassResult``
 * ``graph_str(gm) -> str``: one line per node, for ``assertExpectedInline``
 * ``count_calls(gm, *targets) -> int``
 * ``QUANTFUSE_OPS``: the quantfuse op overloads
@@ -51,6 +52,7 @@ class PassResult:
     output: Any  # the transformed graph's output on the example inputs (eager run)
     expected: Any  # fn(*args) run eagerly, without compiling
     compiled: Any = None  # the compiled callable (runs the transformed graph; call under no_grad)
+    forward: torch.fx.GraphModule | None = None  # grad=True: the forward graph the partitioner made
 
     def count(self, *targets) -> int:
         return count_calls(self.after, *targets)
@@ -67,7 +69,7 @@ def _run_slot(slot_pass, gm):
 
 
 def apply_passes(fn, *args, dynamic: bool = False, families=None, stage: str = "joint",
-                 skip_joint: bool = False) -> PassResult:
+                 skip_joint: bool = False, grad: bool = False) -> PassResult:
     """Trace ``fn(*args)`` as Inductor would (inference, no grad), run our passes, run the result.
 
     ``stage="joint"`` runs the passes Inductor's joint slot gets; ``"post_grad"``
@@ -78,6 +80,13 @@ def apply_passes(fn, *args, dynamic: bool = False, families=None, stage: str = "
     ``families`` restricts the pattern families (default: all).  ``skip_joint``
     (with ``stage="post_grad"``) leaves the joint slot out, as when Inductor's
     joint passes do not run on a graph.
+
+    ``grad=True`` traces under grad mode, as Inductor does when an input requires
+    grad: AOTAutograd makes one joint forward + backward graph, the joint slot's
+    pass runs on it (``before``/``after`` are the joint graph) and the
+    partitioner splits it (``forward``: the forward graph); ``output`` and
+    ``expected`` are computed with autograd recording, so a test can call
+    ``backward`` on them.
     """
     if stage not in ("joint", "post_grad", "reshape"):
         raise ValueError(f"apply_passes: stage {stage!r}; expected 'joint', 'post_grad' or 'reshape'")
@@ -102,6 +111,8 @@ def apply_passes(fn, *args, dynamic: bool = False, families=None, stage: str = "
         captured["after"] = gm
         return gm.forward
 
+    if grad:
+        return _apply_passes_joint(fn, args, passes, dynamic)
     backend = aot_autograd(fw_compiler=fw_compiler, decompositions=select_decomp_table())
     torch._dynamo.reset()
     with torch.no_grad():
@@ -110,6 +121,38 @@ def apply_passes(fn, *args, dynamic: bool = False, families=None, stage: str = "
         with collecting_report() as report:
             output = compiled(*args)
     return PassResult(captured["before"], captured["after"], report, output, expected, compiled)
+
+
+def _apply_passes_joint(fn, args, passes, dynamic) -> PassResult:
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    captured: dict[str, torch.fx.GraphModule] = {}
+
+    def partition_fn(joint, joint_inputs, **kwargs):
+        with torch._subclasses.fake_tensor.unset_fake_temporarily():
+            captured["before"] = copy.deepcopy(joint)
+        _run_slot(passes["joint_custom_pre_pass"], joint)
+        captured["after"] = joint
+        return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+    def fw_compiler(gm, example_inputs):
+        captured["forward"] = gm
+        return gm.forward
+
+    def bw_compiler(gm, example_inputs):
+        return gm.forward
+
+    backend = aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler, partition_fn=partition_fn,
+                           decompositions=select_decomp_table())
+    torch._dynamo.reset()
+    expected = fn(*args)
+    compiled = torch.compile(fn, backend=backend, dynamic=dynamic, fullgraph=True)
+    with collecting_report() as report:
+        output = compiled(*args)
+    if "before" not in captured:
+        raise AssertionError("apply_passes(grad=True): no input requires grad, so no joint graph was traced")
+    return PassResult(captured["before"], captured["after"], report, output, expected, compiled,
+                      captured["forward"])
 
 
 def _short(target) -> str:
