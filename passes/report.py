@@ -3,7 +3,7 @@
 Passes call ``record_fused`` / ``record_unfused`` while they run; whoever wants
 the result (``compile_backend.explain``, tests) opens ``collecting_report()``
 around a compile.  Outside such a block the records only go to the
-``compile_backend`` logger.
+``quantfuse`` logger.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import threading
 from collections import Counter
 from dataclasses import dataclass, field
 
-log = logging.getLogger("compile_backend")
+log = logging.getLogger("quantfuse")
 
 
 @dataclass(frozen=True)
