@@ -102,3 +102,34 @@ def check_op(out, x, qweight, scales, qzeros, G, bias=None, what="", exact=None)
         exact = op_exact(x.shape[0], q.shape[1])
     ref, mag = reference64(x, q, z, scales, G, bias, exact=exact)
     check_close(out, ref, mag, x.dtype, what)
+
+
+def check_sm90(out, x, q, z, s, G, bias, what):
+    """``out`` of the SM90 prefill kernel against the float64 reference, with the bound of its
+    math: q*s and q*s - z*s rounded separately to the activation dtype, fp32 accumulation."""
+    dtype = x.dtype
+    u = 2.0**-11 if dtype == torch.float16 else 2.0**-8
+    K = x.shape[1]
+    assert out.shape == (x.shape[0], q.shape[1]) and out.dtype == dtype, what
+    assert out.is_contiguous(), what
+    o = out.to(torch.float64)
+    assert torch.isfinite(o).all(), f"{what}: NaN/inf in the output"
+    zz = z.repeat_interleave(G, dim=0).to(torch.float64)
+    ss = s.repeat_interleave(G, dim=0).to(torch.float64)
+    qq = q.to(torch.float64)
+    w = (qq - zz) * ss
+    e = u * (zz * ss.abs() + qq * ss.abs() + w.abs()) * (1 + u)
+    x64 = x.to(torch.float64)
+    ref = x64 @ w
+    if bias is not None:
+        ref = ref + bias.to(torch.float64)
+    hard = u * ref.abs() + x64.abs() @ e + K * 2.0**-23 * (x64.abs() @ w.abs()) + 1e-6
+    err = (o - ref).abs()
+    bad = err > hard
+    assert not bad.any(), (
+        f"{what}: {int(bad.sum())} elements over the bound; worst err {err.max().item():.3g} "
+        f"at {divmod(int(err.argmax()), ref.shape[1])}")
+    expected = u * torch.linalg.norm(ref) + torch.linalg.norm(torch.sqrt((x64 * x64) @ (e * e)))
+    actual = torch.linalg.norm(o - ref)
+    assert actual <= expected, (f"{what}: ||err|| = {actual.item():.4g} > {expected.item():.4g} "
+                                f"(rel {(actual / torch.linalg.norm(ref)).item():.3g})")

@@ -26,7 +26,7 @@ import gc
 
 import pytest
 import torch
-from awq_data import make_awq, make_x
+from awq_data import check_sm90, make_awq, make_x
 from conftest import AWQ_DECODE_MAX_M, AWQ_SM90_NUM_CONFIGS, DEV, HOPPER, awq_kernel_reason, kernel_names
 
 import compile_backend  # noqa: F401  (registers the ops)
@@ -39,33 +39,7 @@ GROUPS = (64, 128, -1)  # -1: per-channel (group = K); 32 is unsupported (see te
 DTYPES = (torch.float16, torch.bfloat16)
 
 
-def check(out, x, q, z, s, G, bias, what):
-    dtype = x.dtype
-    u = 2.0**-11 if dtype == torch.float16 else 2.0**-8
-    K = x.shape[1]
-    assert out.shape == (x.shape[0], q.shape[1]) and out.dtype == dtype, what
-    assert out.is_contiguous(), what
-    o = out.to(torch.float64)
-    assert torch.isfinite(o).all(), f"{what}: NaN/inf in the output"
-    zz = z.repeat_interleave(G, dim=0).to(torch.float64)
-    ss = s.repeat_interleave(G, dim=0).to(torch.float64)
-    qq = q.to(torch.float64)
-    w = (qq - zz) * ss
-    e = u * (zz * ss.abs() + qq * ss.abs() + w.abs()) * (1 + u)
-    x64 = x.to(torch.float64)
-    ref = x64 @ w
-    if bias is not None:
-        ref = ref + bias.to(torch.float64)
-    hard = u * ref.abs() + x64.abs() @ e + K * 2.0**-23 * (x64.abs() @ w.abs()) + 1e-6
-    err = (o - ref).abs()
-    bad = err > hard
-    assert not bad.any(), (
-        f"{what}: {int(bad.sum())} elements over the bound; worst err {err.max().item():.3g} "
-        f"at {divmod(int(err.argmax()), ref.shape[1])}")
-    expected = u * torch.linalg.norm(ref) + torch.linalg.norm(torch.sqrt((x64 * x64) @ (e * e)))
-    actual = torch.linalg.norm(o - ref)
-    assert actual <= expected, (f"{what}: ||err|| = {actual.item():.4g} > {expected.item():.4g} "
-                                f"(rel {(actual / torch.linalg.norm(ref)).item():.3g})")
+check = check_sm90
 
 
 def sm90_gemm(x, qweight, scales, qzeros, G, bias=None, config=-1):

@@ -18,8 +18,9 @@ import gc
 
 import pytest
 import torch
-from awq_data import check_op, make_awq, make_x
+from awq_data import check_op, check_sm90, make_awq, make_x, unpacked
 from conftest import (
+    AWQ_DECODE_MAX_M,
     CAP,
     DEV,
     HOPPER,
@@ -52,7 +53,9 @@ def w8a8_args(**over) -> dict:
     """Well-formed int8 scaled_mm_azp operands on the GPU (M x K x N), with ``over`` replacing some."""
     b = rand_q((N, K)).t()
     args = dict(
-        a=rand_q((M, K)), b=b, scale_a=torch.rand(M, device=DEV) + 0.5, scale_b=torch.rand(N, device=DEV) + 0.5,
+        # K = 128 int8 products sum to ~1e5: scales of ~1e-3 keep float16 outputs finite
+        a=rand_q((M, K)), b=b, scale_a=(torch.rand(M, device=DEV) + 0.5) * 1e-3,
+        scale_b=torch.rand(N, device=DEV) + 0.5,
         out_dtype=torch.float16, bias=torch.randn(N, device=DEV).half(),
         azp_adj=b.to(torch.int32).sum(0, dtype=torch.int32), azp=torch.randint(-50, 50, (M,), dtype=torch.int32,
                                                                               device=DEV))
@@ -151,24 +154,25 @@ def _misaligned(t):
 
 # name -> (operands replaced, fp8 needs a Hopper)
 W8A8_WELL_FORMED = {
-    "int8 M=1, per-tensor scales": (lambda: dict(a=rand_q((1, K)), scale_a=torch.rand(1, device=DEV) + 0.5,
+    "int8 M=1, per-tensor scales": (lambda: dict(a=rand_q((1, K)), scale_a=(torch.rand(1, device=DEV) + 0.5) * 1e-3,
                                                  scale_b=torch.rand(1, device=DEV) + 0.5, azp=torch.ones(
                                                      1, dtype=torch.int32, device=DEV)), False),
     "int8 M=8, bfloat16 out": (lambda: dict(out_dtype=torch.bfloat16, bias=torch.randn(N, device=DEV).bfloat16()),
                                False),
     "int8 M=40, float32 out, no bias": (lambda: dict(
-        a=rand_q((40, K)), scale_a=torch.rand(40, device=DEV) + 0.5, out_dtype=torch.float32, bias=None,
+        a=rand_q((40, K)), scale_a=(torch.rand(40, device=DEV) + 0.5) * 1e-3, out_dtype=torch.float32, bias=None,
         azp=torch.randint(-50, 50, (40,), dtype=torch.int32, device=DEV)), False),
-    "int8 M=300": (lambda: dict(a=rand_q((300, K)), scale_a=torch.rand(300, device=DEV) + 0.5,
+    "int8 M=300": (lambda: dict(a=rand_q((300, K)), scale_a=(torch.rand(300, device=DEV) + 0.5) * 1e-3,
                                 azp=torch.randint(-50, 50, (300,), dtype=torch.int32, device=DEV)), False),
-    "scales [M, 1] and [1, N]": (lambda: dict(scale_a=torch.rand(M, 1, device=DEV) + 0.5,
+    "scales [M, 1] and [1, N]": (lambda: dict(scale_a=(torch.rand(M, 1, device=DEV) + 0.5) * 1e-3,
                                               scale_b=torch.rand(1, N, device=DEV) + 0.5), False),
-    "0-dim scales": (lambda: dict(scale_a=torch.tensor(0.7, device=DEV), scale_b=torch.tensor(1.3, device=DEV)),
+    "0-dim scales": (lambda: dict(scale_a=torch.tensor(7e-4, device=DEV), scale_b=torch.tensor(1.3, device=DEV)),
                      False),
     "b row-major (copied)": (lambda: dict(b=rand_q((K, N))), False),
     "a misaligned (copied)": (lambda: dict(a=_misaligned(rand_q((M, K)))), False),
     "strided scales, offset bias (copied)": (lambda: dict(
-        scale_a=(torch.rand(2 * M, device=DEV) + 0.5)[::2], scale_b=_misaligned(torch.rand(N, device=DEV) + 0.5),
+        scale_a=((torch.rand(2 * M, device=DEV) + 0.5) * 1e-3)[::2],
+        scale_b=_misaligned(torch.rand(N, device=DEV) + 0.5),
         bias=_misaligned(torch.randn(N, device=DEV).half())), False),
     "M = 0": (lambda: dict(a=rand_q((0, K)), scale_a=torch.rand(1, device=DEV),
                            azp=torch.zeros(0, dtype=torch.int32, device=DEV)), False),
@@ -318,7 +322,12 @@ def test_awq_well_formed_inputs_run_a_kernel(name):
     assert out.shape == (Mx, Nx) and out.dtype == dtype, name
     if Mx == 0:
         return
-    check_op(out, *gemm, what=name)
+    x, qw, s, qz, G, bias = gemm
+    if HOPPER and Mx > AWQ_DECODE_MAX_M and AK % 64 == 0 and Nx % 128 == 0 and (G == AK or G % 64 == 0):
+        q, z = unpacked(qw, qz)
+        check_sm90(out, x, q, z, s, G, bias, what=name)  # the SM90 kernel's bound
+    else:
+        check_op(out, *gemm, what=name)
     check_op(ops.awq_gemm_reference(*gemm), *gemm, what=f"{name}, ops reference", exact=False)
     assert ran_quantfuse_kernel(kernel_names(functools.partial(torch.ops.quantfuse.awq_gemm, *gemm))), name
 
