@@ -55,3 +55,83 @@ def test_explain_lists_fused_and_unfused_with_reasons(caplog):
     assert "fused    scaled_mm" in text and "unfused" in text and "does not match activation" in text
     # The report also goes to the quantfuse logger.
     assert any("fused 1 subgraph(s), left 1 candidate(s)" in r.getMessage() for r in caplog.records)
+
+
+# --------------------------------------------------------------------------- repeatable, no trace
+
+
+class _Layers(torch.nn.Module):
+    """Two fusable W8A8 layers; with ``graph_break`` Dynamo compiles them as two graphs."""
+
+    def __init__(self, graph_break=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = W8A8Linear.from_linear(torch.nn.Linear(K, N), out_dtype=torch.float32)
+        self.b = W8A8Linear.from_linear(torch.nn.Linear(N, N), out_dtype=torch.float32)
+        self.graph_break = graph_break
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.graph_break:
+            torch._dynamo.graph_break()
+        return self.b(h)
+
+
+def _user_compile_report(model, x):
+    """What the user's own ``torch.compile(model, backend="quantfuse")`` fuses on its first call."""
+    from compile_backend.passes import collecting_report
+
+    compiled = torch.compile(model, backend="quantfuse", options={"fx_graph_cache": False})
+    with collecting_report() as report:
+        out = compiled(x)
+    return report, out
+
+
+def _cache_entries(*codes):
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    return sum(len(_debug_get_cache_entry_list(c)) for c in codes)
+
+
+@pytest.mark.parametrize("graph_break", [False, True], ids=["one-graph", "graph-break"])
+def test_explain_is_repeatable_and_leaves_no_trace(graph_break):
+    """Ten explain() calls report the same fusions each time (more than Dynamo's recompile limit
+    of 8 per code object); afterwards the user's own compile still fuses everything."""
+    model = _Layers(graph_break).eval()
+    x = torch.randn(5, K, generator=torch.Generator().manual_seed(1))
+    torch._dynamo.reset()
+    user_codes = (type(model).forward.__code__, W8A8Linear.forward.__code__)
+    with torch.no_grad():
+        reports = [compile_backend.explain(model, x) for _ in range(10)]
+        assert [dict(r.counts()) for r in reports] == [{"scaled_mm": 2}] * 10
+        # Nothing explain compiled is left on the model's code for a later compile to find.
+        assert _cache_entries(*user_codes) == 0
+        report, out = _user_compile_report(model, x)
+        expected = model(x)
+    torch._dynamo.reset()
+    assert report.counts() == {"scaled_mm": 2}, str(report)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("graph_break", [False, True], ids=["one-graph", "graph-break"])
+def test_explain_leaves_the_users_compiled_model_alone(graph_break):
+    """explain() after the user compiled the model: the user's compiled model keeps its
+    compiled code (no recompile on its next call) and its results."""
+    model = _Layers(graph_break).eval()
+    x = torch.randn(5, K, generator=torch.Generator().manual_seed(2))
+    torch._dynamo.reset()
+    compiles = []
+
+    def counting(gm, example_inputs):
+        compiles.append(gm)
+        return compile_backend.quantfuse(gm, example_inputs, options={"fx_graph_cache": False})
+
+    compiled = torch.compile(model, backend=counting)
+    with torch.no_grad():
+        first = compiled(x)
+        for _ in range(9):
+            assert compile_backend.explain(model, x).counts() == {"scaled_mm": 2}
+        again = compiled(x)
+    torch._dynamo.reset()
+    assert len(compiles) == (2 if graph_break else 1)
+    torch.testing.assert_close(again, first, rtol=0, atol=0)
