@@ -10,7 +10,10 @@ Slots: ``joint_custom_pre_pass`` is where every family matches first: it runs
 before ``freezing`` constant-folds weight dequant chains into dense weights,
 and before Inductor's own joint/post-grad rewrites (``view_to_reshape``,
 ``mm + add → addmm``, pointless-convert removal), and for inference graphs
-Inductor runs it on the forward graph as well.  ``post_grad_custom_pre_pass``
+Inductor runs it on the forward graph as well.  Under grad mode it sees
+AOTAutograd's joint forward + backward graph: the families fuse its forward
+and leave the backward as traced (``fx_helpers``, "joint graphs").
+``post_grad_custom_pre_pass``
 holds the same patterns as a second chance for graphs the joint passes did not
 see; it sees ``aten.reshape`` where the joint graph has ``aten.view``, which
 every pattern accepts.  A slot no family uses gets no pass.  The first of our

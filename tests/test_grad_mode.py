@@ -191,10 +191,11 @@ def _backward_matmuls(gm):
     return sum(1 for n in gm.graph.nodes if n.target in MATMULS and is_backward(n))
 
 
-def test_joint_graph_w8a8_forward_fused_backward_kept():
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_joint_graph_w8a8_forward_fused_backward_kept(dynamic):
     a, w, sa, sb, bias = _w8a8_operands(9, False, False, torch.bfloat16)
     sa = sa.reshape(M, 1).requires_grad_()
-    r = apply_passes(_w8a8_source, a, w, sa, sb, bias, grad=True)
+    r = apply_passes(_w8a8_source, a, w, sa, sb, bias, grad=True, dynamic=dynamic)
     assert r.fused == 1, graph_str(r.after)
     assert r.report.counts() == {"scaled_mm": 1} and r.report.unfused == []
     # The backward (grad_x = grad_y @ w_deq, then d scale) is eager's own, untouched.
@@ -214,10 +215,11 @@ def test_joint_graph_w8a8_forward_fused_backward_kept():
     torch.testing.assert_close(d_fused, d_eager, rtol=1e-5, atol=1e-7)
 
 
-def test_joint_graph_awq_forward_fused_backward_kept():
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_joint_graph_awq_forward_fused_backward_kept(dynamic):
     layer = AWQLinear.from_linear(torch.nn.Linear(K, N), group_size=32, dtype=torch.float16)
     x = torch.randn(2, 3, K, generator=_gen(11)).to(torch.float16).requires_grad_()
-    r = apply_passes(layer, x, grad=True, families=("awq_gemm",))
+    r = apply_passes(layer, x, grad=True, families=("awq_gemm",), dynamic=dynamic)
     assert r.fused == 1 and r.report.counts() == {"awq_gemm": 1} and r.report.unfused == [], graph_str(r.after)
     assert _backward_matmuls(r.after) == 1
     # No unpacking left in the forward: it lives in the backward, which needs W_deq.
