@@ -37,7 +37,7 @@ import torch
 from torch._dynamo.backends import registry
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-log = logging.getLogger("compile_backend")
+log = logging.getLogger("quantfuse")
 
 OUR_OPTIONS = ("passes", "families", "fallback")
 # torch._dynamo.utils.counters[COUNTERS]: "fallback_inductor" (compiled without our passes) and

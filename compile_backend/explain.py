@@ -26,6 +26,7 @@ import inspect
 import itertools
 import logging
 import types
+import warnings
 
 import torch
 
@@ -79,6 +80,15 @@ def _drop_entries(backend) -> None:
                 extra_state.invalidate(entry, DeletedGuardManagerWrapper("compiled by quantfuse.explain"))
 
 
+def _compiled_elsewhere(model) -> bool:
+    """Whether Dynamo holds compiled entries for the model's own forward."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    forward = getattr(type(model), "forward", None)
+    code = getattr(forward, "__code__", None)
+    return code is not None and bool(_debug_get_cache_entry_list(code))
+
+
 def _forget_shape_state(code: types.CodeType) -> None:
     from torch._dynamo import pgo
 
@@ -100,6 +110,13 @@ def explain(model, *example_inputs, dynamic=None, options=None):
 
     from .backend import quantfuse
 
+    if not _supports_isolate_recompiles() and _compiled_elsewhere(model):
+        # Without recompile regions, Dynamo serves the frames a graph break resumes in from the
+        # caller's own compile of the model: this report would miss what those frames fuse.
+        warnings.warn("quantfuse.explain: this torch has no isolate_recompiles and the model was already "
+                      "compiled; subgraphs after a graph break may be missing from the report "
+                      "(call explain before compiling the model, or torch._dynamo.reset() first)",
+                      RuntimeWarning, stacklevel=2)
     opts = {"fx_graph_cache": False, "fallback": False, **(options or {})}
     backend = functools.partial(quantfuse, options=opts)
     caller = _model_caller()

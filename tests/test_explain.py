@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 
 import pytest
@@ -10,6 +11,8 @@ import torch.nn.functional as F
 
 import compile_backend
 from compile_backend.quantize import W8A8Linear
+
+explain_module = importlib.import_module("compile_backend.explain")  # the module, not the function
 
 pytestmark = pytest.mark.compile
 
@@ -130,7 +133,13 @@ def test_explain_leaves_the_users_compiled_model_alone(graph_break):
     with torch.no_grad():
         first = compiled(x)
         for _ in range(9):
-            assert compile_backend.explain(model, x).counts() == {"scaled_mm": 2}
+            if graph_break and not explain_module._supports_isolate_recompiles():
+                # Without recompile regions (torch < 2.12) the resumed frames run the user's
+                # compiled code: explain says so instead of reporting less silently.
+                with pytest.warns(RuntimeWarning, match="graph break may be missing"):
+                    compile_backend.explain(model, x)
+            else:
+                assert compile_backend.explain(model, x).counts() == {"scaled_mm": 2}
         again = compiled(x)
     torch._dynamo.reset()
     assert len(compiles) == (2 if graph_break else 1)

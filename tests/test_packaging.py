@@ -187,11 +187,6 @@ def test_prebuilt_library_that_fails_to_load_falls_back_to_jit_then_warns_once(p
     assert not kernels.ensure_loaded()  # no second attempt, no second warning
 
 
-# Modules whose logger is still named after the import package; moved to "quantfuse.*" with their
-# owners' changes. The set may only shrink.
-LOGGER_PENDING = {"compile_backend/backend.py"}
-
-
 def test_loggers_are_under_quantfuse():
     # Configuring the "quantfuse" logger covers every logger the package uses.
     stray = set()
@@ -200,7 +195,7 @@ def test_loggers_are_under_quantfuse():
             if not re.fullmatch(r"""["']quantfuse(\.\w+)*["']""", call.strip()):
                 stray.add(path.relative_to(ROOT).as_posix())
     assert kernels.log.name == "quantfuse.kernels"
-    assert stray <= LOGGER_PENDING, sorted(stray - LOGGER_PENDING)
+    assert not stray, sorted(stray)
 
 
 def test_build_config_loaded_by_path_is_the_package_module():

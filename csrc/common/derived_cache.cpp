@@ -20,11 +20,27 @@ struct Entry {
   std::vector<c10::weak_intrusive_ptr<c10::TensorImpl>> refs;
   std::vector<int64_t> versions;
   std::vector<at::Tensor> values;
+  bool captured = false;  // served to a CUDA graph being captured
 };
 
 std::mutex g_mutex;
 std::map<std::vector<int64_t>, Entry> g_entries;
+// Values a captured CUDA graph reads, kept when their entry is replaced (the weight changed in
+// place) or cleared: a graph keeps raw pointers.  Such a graph reads the values of the old
+// weight until it is captured again.  Entries whose weights were freed are dropped outright:
+// a graph reading a freed weight is invalid anyway.
+std::vector<at::Tensor> g_retired;
 int64_t g_computed = 0, g_hits = 0;
+
+void retire(Entry& e) {
+  if (e.captured)
+    for (auto& v : e.values) g_retired.push_back(v);
+}
+
+std::map<std::vector<int64_t>, Entry>::iterator erase(std::map<std::vector<int64_t>, Entry>::iterator it) {
+  retire(it->second);
+  return g_entries.erase(it);
+}
 
 void append_where(std::vector<int64_t>& key, const at::Tensor& t) {
   key.push_back(reinterpret_cast<int64_t>(t.data_ptr()));
@@ -87,7 +103,8 @@ std::vector<at::Tensor> make_outside_graph_pool(const at::Tensor& first, const D
 std::vector<at::Tensor> derived(int kind, std::initializer_list<at::Tensor> sources, int64_t extra,
                                 const DerivedMaker& make) {
   const at::Tensor& first = *sources.begin();
-  bool cacheable = !capturing(first);
+  const bool in_capture = capturing(first);
+  bool cacheable = true;
   std::vector<int64_t> key{kind, extra};
   std::vector<int64_t> versions;
   for (const auto& t : sources) {
@@ -96,18 +113,20 @@ std::vector<at::Tensor> derived(int kind, std::initializer_list<at::Tensor> sour
     if (t.is_inference()) cacheable = false;
     versions.push_back(t.is_inference() ? -1 : static_cast<int64_t>(t._version()));
   }
-  if (!cacheable) {
+  {
     std::lock_guard<std::mutex> lock(g_mutex);
-    ++g_computed;
-  } else {
-    std::lock_guard<std::mutex> lock(g_mutex);
-    auto it = g_entries.find(key);
+    auto it = cacheable ? g_entries.find(key) : g_entries.end();
     if (it != g_entries.end() && it->second.versions == versions && alive(it->second)) {
       ++g_hits;
+      // A graph being captured now reads these values on every replay: they must outlive the
+      // entry (see retire()).
+      if (in_capture) it->second.captured = true;
       return it->second.values;
     }
+    ++g_computed;
   }
-  if (!cacheable) return make();
+  // While capturing, a value made now belongs to the graph (its pool, its replays).
+  if (!cacheable || in_capture) return make();
 
   std::vector<at::Tensor> values = make_outside_graph_pool(first, make);
   Entry entry;
@@ -115,16 +134,17 @@ std::vector<at::Tensor> derived(int kind, std::initializer_list<at::Tensor> sour
   entry.versions = std::move(versions);
   entry.values = values;
   std::lock_guard<std::mutex> lock(g_mutex);
-  ++g_computed;
   // Entries whose sources are gone can never be served again (their memory may be reused).
   for (auto it = g_entries.begin(); it != g_entries.end();) it = alive(it->second) ? std::next(it) : g_entries.erase(it);
+  auto old = g_entries.find(key);
+  if (old != g_entries.end()) retire(old->second);
   g_entries[key] = std::move(entry);
   return values;
 }
 
 void clear_derived() {
   std::lock_guard<std::mutex> lock(g_mutex);
-  g_entries.clear();
+  for (auto it = g_entries.begin(); it != g_entries.end();) it = erase(it);
   g_computed = g_hits = 0;
 }
 

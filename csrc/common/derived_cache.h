@@ -10,8 +10,9 @@
 // routed into the graph's private pool, and refuse to record when a pool block outlives the
 // warm-up without being an output.  So a value is made on a worker thread, on a side stream
 // ordered after the caller's stream, which allocates from the ordinary pool.  While the
-// caller's stream is capturing, the value is made inline and not kept (it becomes part of
-// the graph).
+// caller's stream is capturing, a cached value is served (and kept alive for the graph, see
+// derived_cache.cpp); a missing one is made inline and not kept (it becomes part of the graph,
+// made again on every replay).
 #pragma once
 
 #include <ATen/core/Tensor.h>
