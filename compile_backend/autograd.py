@@ -3,7 +3,7 @@
 The ops are differentiable in their floating inputs; the quantized operands
 (int8 / fp8 ``a`` and ``b``, int32 ``qweight`` / ``qzeros``, zero points) have
 no gradient.  Each formula is the derivative of the op's own math
-(DESIGN.md), evaluated with the op's own numerics where it matters:
+(docs/DESIGN.md), evaluated with the op's own numerics where it matters:
 
 ``scaled_mm``      D = s_a · s_b · (A B) + C, in float32, rounded once.
                    dC = Σ_m dD;  d s_a[m] = Σ_n dD[m, n] · (A B)[m, n] · s_b[n]

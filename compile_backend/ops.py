@@ -1,6 +1,6 @@
 """The quantfuse ops: schemas, validation, fake and reference implementations.
 
-Every op follows DESIGN.md's contract.  The reference implementation is plain
+Every op follows docs/DESIGN.md's contract.  The reference implementation is plain
 torch and runs on any device; it is also what runs whenever the CUDA extension
 cannot take an input.  Malformed input raises ``QuantfuseInputError`` naming
 the argument; unsupported-but-valid input never raises.

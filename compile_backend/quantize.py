@@ -8,9 +8,9 @@ them with round-to-nearest quantization.
   per-channel scales; activations quantized per call (dynamic, per-token or
   per-tensor) or with a calibrated scale (static); symmetric, or asymmetric
   int8 with a per-tensor or per-token zero point.  The forward is written in
-  the dequantize-then-matmul form (DESIGN.md pass form 2), computed in float32
+  the dequantize-then-matmul form (docs/DESIGN.md pass form 2), computed in float32
   and rounded once to the output dtype.
-* ``AWQLinear``: AWQ-format ``qweight``/``qzeros``/``scales`` (DESIGN.md's bit
+* ``AWQLinear``: AWQ-format ``qweight``/``qzeros``/``scales`` (docs/DESIGN.md's bit
   order), group sizes 32/64/128 or per-channel (group = K), optional bias.
 """
 

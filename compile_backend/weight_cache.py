@@ -3,7 +3,7 @@
 ``quantfuse::weight_colsum(Tensor weight) -> Tensor``: for an int8 weight
 ``[N, K]`` (nn.Linear layout), the column sums ``1ᵀb`` of ``b = weight.t()``
 (``[K, N]``, the operand ``scaled_mm_azp`` takes), as int32 ``[N]``: the
-``azp_adj`` term of DESIGN.md.  It takes the weight itself rather than ``b`` so
+``azp_adj`` term of docs/DESIGN.md.  It takes the weight itself rather than ``b`` so
 that the argument is the module's buffer (the same tensor object every call),
 not a transposed view made anew per call.  The pass for asymmetric activations
 puts it in the graph next to the weight:

@@ -1,6 +1,6 @@
 """AWQ (W4A16): the unpack → − zeros → × scales → matmul (+ bias) chain into ``quantfuse.awq_gemm``.
 
-What is matched (DESIGN.md pass form 3), on the aten graph Inductor hands to
+What is matched (docs/DESIGN.md pass form 3), on the aten graph Inductor hands to
 its custom passes::
 
     w   = unpack(qweight)                # [K, N]   4-bit values in logical column order
@@ -41,7 +41,7 @@ Nothing is trusted from the structure alone; every candidate is checked
 * the bit layout: the shift tensor and gather permutation must be graph
   constants (a lifted ``_tensor_constant``, ``arange``/``iota`` and views or
   indexing of them) which are evaluated, and the column each output reads must
-  be word ``n // 8`` at bit ``AWQ_SHIFTS[n % 8]`` — DESIGN.md's order.  So a
+  be word ``n // 8`` at bit ``AWQ_SHIFTS[n % 8]`` — docs/DESIGN.md's order.  So a
   chain with another bit order (e.g. sequential shifts 0..28 with no reorder)
   is not matched, while any formulation that provably computes the AWQ order
   is; the mask must be 15 and casts before it integer;

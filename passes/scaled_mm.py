@@ -1,6 +1,6 @@
 """Pattern family ``scaled_mm``: symmetric W8A8 matmuls into ``quantfuse::scaled_mm``.
 
-Forms (DESIGN.md "Passes"), each as declarative pattern expressions of
+Forms (docs/DESIGN.md "Passes"), each as declarative pattern expressions of
 Inductor's pattern matcher, with the variants generated below rather than
 written out:
 

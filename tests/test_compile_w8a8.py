@@ -120,7 +120,7 @@ def test_dynamic_batch_compiles_at_most_twice():
 
 def test_freezing_keeps_quantized_weights_and_folds_column_sums():
     """Under freezing, Inductor constant-folds a weight dequant chain into a dense float
-    weight before the post-grad passes (DESIGN.md's pitfall).  Our patterns run in the
+    weight before the post-grad passes (docs/DESIGN.md's pitfall).  Our patterns run in the
     joint slot, before that: the int8 weights stay int8 and feed the fused ops, and the
     azp column sums (a function of the frozen weight only) are folded into a constant."""
 

@@ -1,4 +1,4 @@
-"""Grad mode: fusion does not depend on ``torch.no_grad()`` (DESIGN.md "Grad mode").
+"""Grad mode: fusion does not depend on ``torch.no_grad()`` (docs/DESIGN.md "Grad mode").
 
 * The ops' autograd formulas (``compile_backend/autograd.py``) against eager autograd
   of the unfused source in float64, and ``gradcheck``.

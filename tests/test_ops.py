@@ -25,7 +25,7 @@ def _w8a8_inputs(M, K, N, dtype=torch.int8, per_token=True, per_channel=True, bi
         w = (torch.randn(N, K, generator=gen) * 50).to(dtype)
     scale_a = torch.rand(M if per_token else 1, 1, generator=gen) * 0.01 + 1e-3
     scale_b = torch.rand(N if per_channel else 1, generator=gen) * 0.01 + 1e-3
-    b = w.t()  # [K, N] column-major, as DESIGN.md's contract
+    b = w.t()  # [K, N] column-major, as docs/DESIGN.md's contract
     bias_t = (torch.randn(N, generator=gen)).to(out_dtype) if bias else None
     return a, b, scale_a, scale_b, out_dtype, bias_t
 

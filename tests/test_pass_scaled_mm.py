@@ -385,7 +385,7 @@ def test_bf16_bias_into_float32_output_is_not_rounded():
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_post_grad_slot_matches_reshape_graphs(form, dynamic):
     """Second chance in the post-grad pre slot: after view_to_reshape the graph holds
-    aten.reshape, not aten.view (DESIGN.md's pitfall); the patterns accept both."""
+    aten.reshape, not aten.view (docs/DESIGN.md's pitfall); the patterns accept both."""
     a, w, sa, sb, bias = _inputs(lead=(2, 3), bias_dtype=torch.bfloat16)
     fn = _dequant_fn(form, torch.float32, "epilogue", torch.bfloat16)
     r = apply_passes(fn, a, w, sa, sb, bias, dynamic=dynamic, stage="post_grad", skip_joint=True)

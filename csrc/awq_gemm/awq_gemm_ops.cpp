@@ -1,7 +1,8 @@
 // quantfuse AWQ W4A16: tensor checks and op registration for the CUDA kernels.
 //
 // The public ops quantfuse::awq_gemm / awq_dequantize are defined in Python
-// (compile_backend/ops.py); compile_backend/cuda/awq_gemm.py calls these private ops.
+// (compile_backend/ops.py); their CUDA dispatch (awq_gemm_dispatch.cpp) calls these entry points,
+// which tests and benchmarks also reach as private ops.
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>

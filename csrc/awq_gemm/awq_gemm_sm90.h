@@ -23,7 +23,7 @@ namespace awq_sm90 {
 
 enum class DType : int { kHalf = 0, kBFloat16 = 1 };
 
-// Shape limits of the kernel (checked by the op and by compile_backend/cuda/awq_gemm_sm90.py).
+// Shape limits of the kernel (checked by the op and by awq_gemm_dispatch.cpp).
 constexpr int kTileK = 64;    // K tile: K % 64 == 0; group_size % 64 == 0 or group_size == K
 constexpr int kAlignN = 128;  // N % 128 == 0 (weight-row tiles of 64 or 128)
 

@@ -1,6 +1,6 @@
 // quantfuse AWQ W4A16 prefill on Hopper: tensor checks and op registration for the
 // CUTLASS mixed-input kernels (awq_gemm_sm90*.cu).  Called from
-// compile_backend/cuda/awq_gemm_sm90.py:
+// awq_gemm_dispatch.cpp (and, as private ops, tests and benchmarks):
 //   _awq_prepare_sm90_cuda(qweight, scales, qzeros, group_size)
 //       -> (wq uint8 [N, K/2] in the kernel's int4 layout, scales [K/g, N] (a copy),
 //           zeros [K/g, N] = -z * s), once per weight;

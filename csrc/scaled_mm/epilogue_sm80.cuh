@@ -13,7 +13,7 @@
 // is the product of a scalar broadcast and a vector broadcast, and the one not given is a
 // null pointer that reads as 1.0 (an exact multiplication).  Likewise the per-tensor
 // zero point (azp_adj = z_a * colsum, no azp) is the per-token tree with a null azp that
-// reads as 1.  So two trees cover the four epilogues of DESIGN.md:
+// reads as 1.  So two trees cover the four epilogues of docs/DESIGN.md:
 //
 //   ScaledBias         = sa_v * (sa_s * (sb_v * (sb_s * acc))) + bias        (Scaled: bias null -> 0)
 //   ScaledBiasAzpToken = sa_v * (sa_s * (sb_v * (sb_s * (acc - azp * azp_adj)))) + bias

@@ -1,7 +1,7 @@
 // Torch-facing side of the W8A8 decode kernels (M <= 16, scaled_mm_decode.cuh): tensor
 // checks, the work split, the current stream, and the registration of
 //   quantfuse::_scaled_mm_decode_cuda(a, b, scale_a, scale_b, out_dtype, bias, azp_adj, azp, splits)
-// compile_backend/cuda/scaled_mm.py routes quantfuse.scaled_mm / scaled_mm_azp here for
+// scaled_mm_dispatch.cpp routes quantfuse.scaled_mm / scaled_mm_azp here for
 // small M; the op can also be called directly (tests, benchmarks; `splits` > 0 forces the
 // number of CTAs per cluster along K, -1 chooses).
 #include <ATen/cuda/CUDAContext.h>

@@ -10,7 +10,7 @@ namespace quantfuse {
 
 enum class QDType : int { kInt8 = 0, kFp8E4M3 = 1, kF16 = 2, kBF16 = 3, kF32 = 4 };
 
-// Epilogue families (DESIGN.md):  D = s_a * s_b * (A B - azp term) + bias
+// Epilogue families (docs/DESIGN.md):  D = s_a * s_b * (A B - azp term) + bias
 //   kScaled:       D = s_a * (s_b * acc)
 //   kScaledBias:   D = s_a * (s_b * acc) + bias           (bias may be null -> zero)
 //   kAzp:          D = s_a * (s_b * (acc - azp_adj)) + bias  (azp_adj = z_a * colsum(b))

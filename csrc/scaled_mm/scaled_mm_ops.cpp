@@ -2,7 +2,7 @@
 // dispatch to the per-dtype launchers (plain C++, see scaled_mm_launch.h), and the
 // registration of the private op quantfuse::_scaled_mm_cutlass.  The public ops
 // quantfuse::scaled_mm / scaled_mm_azp are defined in Python (compile_backend/ops.py);
-// compile_backend/cuda/scaled_mm.py decides when this op may take an input.
+// scaled_mm_dispatch.cpp decides when it runs.
 #include <torch/all.h>
 #include <torch/library.h>
 #include <ATen/cuda/CUDAContext.h>
