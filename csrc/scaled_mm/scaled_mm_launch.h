@@ -70,24 +70,15 @@ QF_DECLARE(sm90_i8_f32_bias)
 QF_DECLARE(sm90_fp8_f16_bias)
 QF_DECLARE(sm90_fp8_bf16_bias)
 QF_DECLARE(sm90_fp8_f32_bias)
-QF_DECLARE(sm90_i8_f16_azp)
-QF_DECLARE(sm90_i8_bf16_azp)
-QF_DECLARE(sm90_i8_f32_azp)
-QF_DECLARE(sm90_i8_f16_azptok)
-QF_DECLARE(sm90_i8_bf16_azptok)
-QF_DECLARE(sm90_i8_f32_azptok)
 #undef QF_DECLARE
 
 // SM80 (A100 class; also runs on Hopper when forced): CUTLASS 2.x mma.sync multistage
 // kernels, 2.x EVT epilogues.  int8 inputs only.
 int scaled_mm_sm80(const ScaledMmParams& p);
-// Per-output-dtype entries: *_bias = Scaled/ScaledBias; *_azp = ScaledBiasAzp (azp null)
-// and ScaledBiasAzpToken (azp given).
+// Per-output-dtype entries: *_bias = Scaled/ScaledBias (the zero-point ones: scaled_mm_azp/
+// scaled_mm_azp_launch.h).
 int sm80_i8_f16_bias(const ScaledMmParams& p);
 int sm80_i8_bf16_bias(const ScaledMmParams& p);
 int sm80_i8_f32_bias(const ScaledMmParams& p);
-int sm80_i8_f16_azp(const ScaledMmParams& p);
-int sm80_i8_bf16_azp(const ScaledMmParams& p);
-int sm80_i8_f32_azp(const ScaledMmParams& p);
 
 }  // namespace quantfuse

@@ -16,6 +16,7 @@
 #include "scaled_mm/qdtype_torch.h"
 #include "scaled_mm/scaled_mm_launch.h"
 #include "scaled_mm/scaled_mm_torch.h"
+#include "scaled_mm_azp/scaled_mm_azp_launch.h"
 
 namespace quantfuse {
 
