@@ -394,7 +394,8 @@ def _load_kernels() -> bool:
     return kernels.ensure_loaded()
 
 
-kernels.on_load(_remove_bootstrap, _install_bootstrap)
+# Looked up at call time, so that a replaced function (tests) is the one that runs.
+kernels.on_load(lambda: _remove_bootstrap(), lambda: _install_bootstrap())
 
 
 _lib = torch.library.Library(NAMESPACE, "DEF")
