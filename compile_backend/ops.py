@@ -350,7 +350,8 @@ def _cuda_bootstrap(name):
     reference = _BOOTSTRAPPED[name]
 
     def impl(*args, **kwargs):
-        if _load_kernels():
+        # Loading replaces this implementation with the library's C++ one (kernels.on_load below).
+        if kernels.ensure_loaded():
             return getattr(torch.ops.quantfuse, name)(*args, **kwargs)
         log.debug("quantfuse.%s: reference runs: the CUDA kernels are not available", name)
         return reference(*args, **kwargs)
@@ -386,12 +387,6 @@ def _remove_bootstrap() -> None:
     if _bootstrap_lib is not None:
         _bootstrap_lib._destroy()
         _bootstrap_lib = None
-
-
-def _load_kernels() -> bool:
-    """Loads the CUDA kernels, whose library registers the public ops' CUDA implementations in
-    place of the bootstrap ones (``kernels.on_load``); True when they are loaded."""
-    return kernels.ensure_loaded()
 
 
 # Looked up at call time, so that a replaced function (tests) is the one that runs.
