@@ -153,6 +153,43 @@ def test_awq_dequantize_formula():
     assert _rel_err(s1.grad, want) <= 2 * torch.finfo(torch.float16).eps
 
 
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["awq_gemm", "scaled_mm"])
+def test_cuda_autograd_step(op):
+    """On CUDA the ops' Autograd step is C++ (csrc/common/autograd_cuda.cpp): without a gradient
+    wanted it goes straight to the kernel (no graph recorded), with one it reaches the Python
+    formula, whose gradients equal the same formula's on CPU."""
+    if op == "awq_gemm":
+        qweight, qzeros, scales, x, bias = _awq_operands(torch.float16, 32)
+
+        def run(dev, x, s, b):
+            return torch.ops.quantfuse.awq_gemm(x, qweight.to(dev), s, qzeros.to(dev), 32, b)
+
+        leaves = (x, scales, bias)
+    else:
+        a, w, sa, sb, bias = _w8a8_operands(8, False, False, torch.bfloat16)
+
+        def run(dev, sa, sb, b):
+            return torch.ops.quantfuse.scaled_mm(a.to(dev), w.to(dev).t(), sa, sb, torch.bfloat16, b)
+
+        leaves = (sa, sb, bias)
+    grads = {}
+    for dev in ("cpu", "cuda"):
+        ts = _leaves(*(t.to(dev) for t in leaves))
+        with torch.no_grad():
+            assert run(dev, *ts).grad_fn is None
+        plain = run(dev, *(t.detach() for t in ts))
+        assert plain.grad_fn is None and not plain.requires_grad
+        out = run(dev, *ts)
+        assert out.grad_fn is not None
+        out.backward(torch.ones_like(out))
+        grads[dev] = [t.grad.cpu() for t in ts]
+    for got, want in zip(grads["cuda"], grads["cpu"]):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert _rel_err(got, want) <= 1e-2, _rel_err(got, want)
+
+
 @pytest.mark.compile
 def test_compiled_model_calling_the_op_differentiates_through_it():
     """A model that calls ``quantfuse.awq_gemm`` itself: AOTAutograd traces the formula into the
