@@ -16,6 +16,10 @@ no gradient.  Each formula is the derivative of the op's own math
                    dX = dY Wᵀ;  dbias = Σ_m dY;  d scales[g, n] = Σ_{k in g}
                    (Xᵀ dY)[k, n] · (q − z)[k, n].
 ``awq_dequantize`` W = (q − z) · s:  d scales[g, n] = Σ_{k in g} dW[k, n] · (q − z)[k, n].
+``w8a16_gemm``     Y = (X Qᵀ) · s + bias (s per output channel or per tensor):
+                   dX = (dY · s) Q, i.e. dY times the dequantized weight;
+                   d s[n] = Σ_m dY[m, n] · (X Qᵀ)[m, n] (summed for a 1-element s);
+                   dbias = Σ_m dY.
 
 So a model that calls the ops itself trains and differentiates through them,
 eagerly or compiled (AOTAutograd traces these formulas into the backward).
@@ -148,11 +152,34 @@ def _awq_dequantize_backward(ctx, grad):
     return None, d_scales, None, None
 
 
+# --------------------------------------------------------------------------- W8A16
+
+
+def _w8a16_gemm_setup(ctx, inputs, output):
+    x, w_q, w_scale, bias = inputs
+    ctx.save_for_backward(x, w_q, w_scale)
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _w8a16_gemm_backward(ctx, grad):
+    x, w_q, w_scale = ctx.saved_tensors
+    g = grad.to(F32)
+    s = w_scale.to(F32).reshape(1, -1)
+    d_x = d_scale = None
+    if _needs(ctx, 0):
+        d_x = ((g * s) @ w_q.to(F32)).to(x.dtype)
+    if _needs(ctx, 2):
+        per = g * (x.to(F32) @ w_q.to(F32).t())
+        d_scale = (per.sum() if w_scale.numel() == 1 else per.sum(0)).reshape(w_scale.shape).to(w_scale.dtype)
+    return d_x, None, d_scale, _bias_grad(ctx, grad, 3, ctx.bias_dtype)
+
+
 FORMULAS = {
     "scaled_mm": (_scaled_mm_backward, _scaled_mm_setup),
     "scaled_mm_azp": (_scaled_mm_azp_backward, _scaled_mm_azp_setup),
     "awq_gemm": (_awq_gemm_backward, _awq_gemm_setup),
     "awq_dequantize": (_awq_dequantize_backward, _awq_dequantize_setup),
+    "w8a16_gemm": (_w8a16_gemm_backward, _w8a16_gemm_setup),
 }
 
 for _name, (_backward, _setup) in FORMULAS.items():

@@ -8,7 +8,8 @@ changed).  Options:
 ``passes`` (bool, default True)
     Install the quantfuse passes.  False gives plain Inductor.
 ``families`` (a family name or a sequence of them, default all)
-    Pattern families to enable: ``scaled_mm``, ``scaled_mm_azp``, ``awq_gemm``.
+    Pattern families to enable: ``scaled_mm``, ``scaled_mm_azp``, ``awq_gemm``,
+    ``w8a16_gemm``.
 ``fallback`` (bool, default True)
     If compiling with our passes fails, compile with plain Inductor; if that
     fails too, run the graph in eager.  Each such fallback logs a WARNING on

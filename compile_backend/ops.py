@@ -57,6 +57,9 @@ AWQ_SHIFTS = tuple(4 * o for o in AWQ_ORDER)
 # needs K < 2**17.  Longer K can overflow int32 with extreme values; such shapes must
 # run an exact path (the reference accumulates them in float64), never an int32 kernel.
 INT8_EXACT_MAX_K = 2**17
+# W8A16 (int8 weight-only): activations (and the output) in any of these; the per-channel weight
+# scale in float32 or the activation dtype (converted to float32 exactly either way).
+W8A16_ACT_DTYPES = OUT_DTYPES
 
 SCHEMAS = {
     "scaled_mm": "scaled_mm(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, "
@@ -67,6 +70,7 @@ SCHEMAS = {
     "int group_size, Tensor? bias=None) -> Tensor",
     "awq_dequantize": "awq_dequantize(Tensor qweight, Tensor scales, Tensor qzeros, "
     "int group_size) -> Tensor",
+    "w8a16_gemm": "w8a16_gemm(Tensor x, Tensor w_q, Tensor w_scale, Tensor? bias=None) -> Tensor",
 }
 
 
@@ -167,6 +171,25 @@ def _check_awq(op, qweight, scales, qzeros, group_size, x=None, bias=None):
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != N or bias.dtype != scales.dtype):
         _fail(op, "bias", bias, f"a 1-D {scales.dtype} tensor of N = {N} elements")
     return K, N
+
+
+def _check_w8a16(op, x, w_q, w_scale, bias):
+    _check_devices(op, "x", dict(x=x, w_q=w_q, w_scale=w_scale, bias=bias))
+    if x.dtype not in W8A16_ACT_DTYPES or x.dim() != 2:
+        _fail(op, "x", x, "a 2-D float16, bfloat16 or float32 tensor [M, K]")
+    if w_q.dtype != torch.int8 or w_q.dim() != 2:
+        _fail(op, "w_q", w_q, "a 2-D int8 tensor [N, K]")
+    M, K = x.shape
+    N = w_q.shape[0]
+    if w_q.shape[1] != K:
+        _fail(op, "w_q", w_q, f"K = {K} columns to match 'x' of shape {tuple(x.shape)}")
+    if w_scale.dtype not in (torch.float32, x.dtype):
+        _fail(op, "w_scale", w_scale, f"dtype float32 or the dtype of 'x' ({x.dtype})")
+    if w_scale.dim() > 1 or w_scale.numel() not in (1, N):
+        _fail(op, "w_scale", w_scale, f"a 0-D or 1-D tensor of 1 element (per-tensor) or N = {N} (per-channel)")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != N or bias.dtype != x.dtype):
+        _fail(op, "bias", bias, f"a 1-D {x.dtype} tensor of N = {N} elements")
+    return M, K, N
 
 
 # --------------------------------------------------------------------------- reference math
@@ -276,6 +299,18 @@ def awq_gemm_reference(x, qweight, scales, qzeros, group_size, bias=None):
     return out.to(x.dtype)
 
 
+def w8a16_gemm_reference(x, w_q, w_scale, bias=None):
+    """``(x @ w_qᵀ)[m, n] · w_scale[n] + bias[n]``: the int8 weight converted exactly, products
+    accumulated in float32, the scale and bias applied to the accumulator in float32, one rounding."""
+    M, _, N = _check_w8a16("w8a16_gemm", x, w_q, w_scale, bias)
+    if M == 0:
+        return x.new_empty((0, N))
+    out = torch.matmul(x.to(torch.float32), w_q.to(torch.float32).t()) * w_scale.to(torch.float32).reshape(1, -1)
+    if bias is not None:
+        out = out + bias.to(torch.float32)
+    return out.to(x.dtype)
+
+
 # --------------------------------------------------------------------------- fakes
 
 
@@ -300,6 +335,11 @@ def _awq_dequantize_fake(qweight, scales, qzeros, group_size):
     return scales.new_empty((K, N))
 
 
+def _w8a16_gemm_fake(x, w_q, w_scale, bias=None):
+    M, _, N = _check_w8a16("w8a16_gemm", x, w_q, w_scale, bias)
+    return x.new_empty((M, N))
+
+
 # --------------------------------------------------------------------------- registration
 
 REFERENCES = {
@@ -307,12 +347,14 @@ REFERENCES = {
     "scaled_mm_azp": scaled_mm_azp_reference,
     "awq_gemm": awq_gemm_reference,
     "awq_dequantize": awq_dequantize_reference,
+    "w8a16_gemm": w8a16_gemm_reference,
 }
 FAKES = {
     "scaled_mm": _scaled_mm_fake,
     "scaled_mm_azp": _scaled_mm_azp_fake,
     "awq_gemm": _awq_gemm_fake,
     "awq_dequantize": _awq_dequantize_fake,
+    "w8a16_gemm": _w8a16_gemm_fake,
 }
 
 
@@ -328,6 +370,7 @@ REFERENCE_SCHEMAS = {
     "int group_size, Tensor? bias, str reason) -> Tensor",
     "awq_dequantize": "_awq_dequantize_reference(Tensor qweight, Tensor scales, Tensor qzeros, "
     "int group_size, str reason) -> Tensor",
+    "w8a16_gemm": "_w8a16_gemm_reference(Tensor x, Tensor w_q, Tensor w_scale, Tensor? bias, str reason) -> Tensor",
 }
 
 
@@ -408,3 +451,4 @@ scaled_mm = torch.ops.quantfuse.scaled_mm
 scaled_mm_azp = torch.ops.quantfuse.scaled_mm_azp
 awq_gemm = torch.ops.quantfuse.awq_gemm
 awq_dequantize = torch.ops.quantfuse.awq_dequantize
+w8a16_gemm = torch.ops.quantfuse.w8a16_gemm

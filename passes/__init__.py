@@ -1,7 +1,7 @@
 """quantfuse's FX pattern passes (installed as ``compile_backend.passes``).
 
 Each pattern family lives in its own module, named like its op
-(``scaled_mm``, ``scaled_mm_azp``, ``awq_gemm``), and exposes
+(``scaled_mm``, ``scaled_mm_azp``, ``awq_gemm``, ``w8a16_gemm``), and exposes
 ``register(passes: dict[str, PatternMatcherPass]) -> None`` that adds its
 search/replace pairs to the pass of each Inductor slot it uses.
 ``make_graph_passes(options)`` returns the Inductor custom-pass slots to fill

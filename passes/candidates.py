@@ -39,7 +39,7 @@ MAX_DEPTH = 6
 # (otherwise every float matmul downstream of a quantized layer would look quantized).
 _GEMM_OUTPUTS = MATMULS | {
     torch.ops.quantfuse.scaled_mm.default, torch.ops.quantfuse.scaled_mm_azp.default,
-    torch.ops.quantfuse.awq_gemm.default,
+    torch.ops.quantfuse.awq_gemm.default, torch.ops.quantfuse.w8a16_gemm.default,
 }
 
 

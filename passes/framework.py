@@ -31,7 +31,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from torch._inductor.pattern_matcher import PatternMatcherPass
 
 # Families in matching order: the more specific forms first.
-FAMILIES = ("scaled_mm_azp", "scaled_mm", "awq_gemm")
+FAMILIES = ("scaled_mm_azp", "scaled_mm", "awq_gemm", "w8a16_gemm")
 # Inductor config slots our passes may occupy, in the order Inductor runs them.
 SLOTS = ("joint_custom_pre_pass", "post_grad_custom_pre_pass")
 

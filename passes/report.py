@@ -19,7 +19,7 @@ log = logging.getLogger("quantfuse")
 
 @dataclass(frozen=True)
 class Fused:
-    family: str  # the op's name: scaled_mm, scaled_mm_azp, awq_gemm
+    family: str  # the op's name: scaled_mm, scaled_mm_azp, awq_gemm, w8a16_gemm
     form: str  # which source form matched, e.g. "int_mm", "linear", "awq_unpack"
     detail: str = ""
 

@@ -35,6 +35,7 @@ QUANTFUSE_OPS = (
     torch.ops.quantfuse.scaled_mm_azp.default,
     torch.ops.quantfuse.awq_gemm.default,
     torch.ops.quantfuse.awq_dequantize.default,
+    torch.ops.quantfuse.w8a16_gemm.default,
 )
 MATMULS = (
     torch.ops.aten.mm.default,

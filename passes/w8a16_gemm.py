@@ -1,0 +1,233 @@
+"""Pattern family ``w8a16_gemm``: int8 weight-only linears into ``quantfuse::w8a16_gemm``.
+
+Forms (docs/DESIGN.md, "Source forms recognised", form 4), as declarative pattern
+expressions generated over their variants, on the aten graph Inductor hands to its
+custom passes:
+
+4a. scale after the matmul (torchao's ``Int8WeightOnlyConfig``, per-row and
+    per-tensor, the same code on CPU and CUDA)::
+
+        y = mm(x, w_q.t().to(dt)) * s          # s: [N] / [1, N] / 1 element, in dt or float32
+        [y = y.view(*lead, N)] [+ bias]
+
+    with the cast and the transpose in either order, the product in either operand order;
+4b. dequantize-then-matmul (``F.linear(x, w_q.to(dt) * s[:, None], b)``, ``x @ (...).t()``)::
+
+        W = w_q.to(dt) * s                     # s: [N, 1] / 1 element; either operand order
+        y = mm(x, W.t())  |  addmm(bias, x, W.t())
+
+    (``F.linear`` of a 3-D ``x`` is ``view`` → ``mm``/``addmm`` → ``view``: the op replaces the
+    2-D matmul and the views stay).
+
+A ``+ bias`` after the op (with a view between them, 3-D activations) is folded into the
+op by a second, small pattern set (the pass runs to a fixed point).
+
+Checks (a candidate failing one is left alone and the reason is remembered on its matmul
+for ``explain()``): ``w_q`` a 2-D int8 ``[N, K]`` tensor; ``x`` 2-D, float16 / bfloat16 /
+float32, the dtype the weight is cast to; the scale a tensor (not a number), per-channel or
+per-tensor as above, in float32 or the activation dtype; a bias per-channel in the
+activation dtype; no forward user of the weight-side nodes outside the match (backward
+users of a joint graph are fine, ``fx_helpers.check_private``); and ``x`` not itself
+dequantized from an int8 / fp8 tensor: that is a W8A8 form, which ``scaled_mm``'s checks
+decide (an activation it rejected stays unfused with its reason rather than becoming a
+weight-only product).
+
+Numerics: the op accumulates ``x · w_q`` in float32 and applies the scale and bias to the
+accumulator, rounding once.  The sources round in between (4a: the matmul's result to
+``dt`` before the scale; 4b: each dequantized weight element to ``dt``), so the fused
+result may differ from them by that rounding (docs/DESIGN.md, "Rules").
+
+Slots: ``joint_custom_pre_pass`` (before ``freezing`` folds ``w_q.to(dt) [* s]`` into a
+dense weight, and before Inductor's ``mm + add → addmm``), and the same patterns in
+``post_grad_custom_pre_pass`` as a second chance, as ``scaled_mm`` does.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import torch
+from torch._inductor.pattern_matcher import (
+    MULTIPLE,
+    CallFunction,
+    KeywordArg,
+    Match,
+    PatternExpr,
+    register_graph_pattern,
+)
+
+from compile_backend.ops import W8A16_ACT_DTYPES
+
+from .candidates import quantized_source
+from .fx_helpers import (
+    CONVERT,
+    MUL,
+    VIEWS,
+    Plan,
+    as_bias_vector,
+    bias_ok,
+    check_private,
+    is_scalar_like,
+    known,
+    no_alpha,
+    register_checked,
+    require,
+    shape_str,
+    tensor_val,
+    val,
+)
+
+aten = torch.ops.aten
+
+FAMILY = "w8a16_gemm"
+SLOTS = ("joint_custom_pre_pass", "post_grad_custom_pre_pass")
+W8A16 = torch.ops.quantfuse.w8a16_gemm.default
+# How far back from the activation a dequantization of an int8 / fp8 tensor is looked for:
+# ``a.to(dt) [- z] * s [.view(...)]``.
+_ACT_DEQUANT_DEPTH = 4
+
+
+# --------------------------------------------------------------------------- patterns
+
+
+def _weight_t(scaled: bool):
+    """The transposed weight in the matmul: ``w_q.t().to(dt)`` / ``w_q.to(dt).t()`` (4a), or
+    ``(w_q.to(dt) * s).t()`` with either operand order of the product (4b).  Its nodes may
+    have backward users in a joint graph (``_users=MULTIPLE``; ``check_private`` decides)."""
+    w, dt = KeywordArg("w"), KeywordArg("dt")
+    if not scaled:
+        yield CallFunction(CONVERT, CallFunction(aten.permute.default, w, [1, 0], _users=MULTIPLE), dt,
+                           _users=MULTIPLE)
+        yield CallFunction(aten.permute.default, CallFunction(CONVERT, w, dt, _users=MULTIPLE), [1, 0],
+                           _users=MULTIPLE)
+        return
+    cast, s = CallFunction(CONVERT, w, dt, _users=MULTIPLE), KeywordArg("s")
+    for deq in (CallFunction(MUL, cast, s, _users=MULTIPLE), CallFunction(MUL, s, cast, _users=MULTIPLE)):
+        yield CallFunction(aten.permute.default, deq, [1, 0], _users=MULTIPLE)
+
+
+def patterns():
+    """Every (form, pattern) of forms 4a and 4b."""
+    x, s = KeywordArg("x"), KeywordArg("s")
+    for wt in _weight_t(scaled=False):
+        mm = CallFunction(aten.mm.default, x, wt)
+        yield "scale-after-mm", CallFunction(MUL, mm, s)
+        yield "scale-after-mm", CallFunction(MUL, s, mm)
+    for wt in _weight_t(scaled=True):
+        yield "dequant-mm", CallFunction(aten.mm.default, x, wt)
+        yield "dequant-addmm", CallFunction(aten.addmm.default, KeywordArg("bias"), x, wt)
+
+
+# --------------------------------------------------------------------------- checks and plan
+
+
+def _weight_side(match: Match) -> list:
+    """The match's nodes between ``w_q`` and the matmul (cast, transpose, scale product)."""
+    skip = {match.output_node()} | {n for n in match.nodes if n.target in (aten.mm.default, aten.addmm.default)}
+    return [n for n in match.nodes if n not in skip]
+
+
+def _scale_kind(s, n, *, after: bool, dt) -> str:
+    require(isinstance(s, torch.Tensor), f"the scale is {s!r}; expected a tensor")
+    require(s.dtype in (torch.float32, dt),
+            f"the scale has dtype {s.dtype}; w8a16_gemm takes float32 or the activation dtype {dt}")
+    if is_scalar_like(s):
+        return "per-tensor"
+    # After the matmul the scale multiplies the [M, N] output: [N] or [1, N].  On the
+    # weight it multiplies [N, K]: [N, 1].
+    if after:
+        ok = 1 <= s.dim() <= 2 and known(s.shape[-1] == n) and (s.dim() == 1 or known(s.shape[0] == 1))
+        require(ok, f"scale of shape {shape_str(s)} is neither per-tensor nor per-channel ([N] or [1, N]) "
+                    f"for N = {n}")
+    else:
+        ok = s.dim() == 2 and known(s.shape[0] == n) and known(s.shape[1] == 1)
+        require(ok, f"scale of shape {shape_str(s)} is neither per-tensor nor per-channel ([N, 1]) "
+                    f"for a weight of {n} rows")
+    return "per-channel"
+
+
+def plan(match: Match, *, form: str) -> Plan:
+    kw = match.kwargs
+    x, w, dt = val(kw["x"]), val(kw["w"]), kw["dt"]
+    require(isinstance(w, torch.Tensor) and w.dtype == torch.int8 and w.dim() == 2,
+            f"the weight is {getattr(w, 'dtype', w)} of shape {shape_str(w)}; expected a 2-D int8 tensor [N, K]")
+    require(isinstance(x, torch.Tensor) and x.dim() == 2 and x.dtype in W8A16_ACT_DTYPES,
+            f"the activation is {getattr(x, 'dtype', x)} of shape {shape_str(x)}; expected a 2-D float16, "
+            "bfloat16 or float32 tensor")
+    require(dt == x.dtype, f"the weight is cast to {dt}, the activation is {x.dtype}")
+    N, K = w.shape
+    require(known(x.shape[1] == K), f"weight of shape {shape_str(w)} does not match activation {shape_str(x)}")
+    source = quantized_source(kw["x"], depth=_ACT_DEQUANT_DEPTH)
+    require(source is None, f"the activation is dequantized from {source} (a W8A8 form, not weight-only)")
+    kind = _scale_kind(val(kw["s"]), N, after=form == "scale-after-mm", dt=dt)
+    check_private(match, _weight_side(match), "the dequantized weight")
+    bias = kw.get("bias")
+    if bias is not None:
+        require(bias_ok(val(bias), N, dt),
+                f"addmm input of shape {shape_str(val(bias))} is not a per-channel bias in {dt}")
+
+    def build(x, w, s, bias=None):
+        return torch.ops.quantfuse.w8a16_gemm(x, w, s.reshape(-1), as_bias_vector(bias))
+
+    inputs = {"x": kw["x"], "w": kw["w"], "s": kw["s"]}
+    if bias is not None:
+        inputs["bias"] = bias
+    detail = f"{kind} K={K} N={N} {str(dt).removeprefix('torch.')}"
+    return Plan(inputs, build, detail, dt)
+
+
+# --------------------------------------------------------------------------- bias folding
+
+
+def _op_call(n_args: int) -> PatternExpr:
+    args = [KeywordArg(name) for name in ("x", "w", "s")] + [None] * (n_args - 3)
+    return CallFunction(W8A16, *args)
+
+
+def _bias_patterns():
+    """(pattern, viewed): ``w8a16_gemm(...) [.view(shape)] + bias``, the bias on either side."""
+    for n_args, view, bias_first in itertools.product((3, 4), (False, True), (False, True)):
+        y = _op_call(n_args)
+        if view:
+            y = CallFunction(VIEWS, y, KeywordArg("out_shape"))
+        bias = KeywordArg("bias")
+        yield CallFunction(aten.add.Tensor, *((bias, y) if bias_first else (y, bias))), view
+
+
+def _bias_check(match: Match) -> bool:
+    add = match.output_node()
+    b, y = tensor_val(match.kwargs["bias"]), tensor_val(add)
+    x, w = tensor_val(match.kwargs["x"]), tensor_val(match.kwargs["w"])
+    if b is None or y is None or x is None or w is None or not no_alpha(add):
+        return False
+    return (b.dim() == 1 and known(b.shape[0] == w.shape[0]) and b.dtype == x.dtype == y.dtype
+            and known(y.shape[-1] == w.shape[0]))
+
+
+def _bias_handler(view: bool):
+    def handler(match: Match, **kw):
+        shape = list(kw["out_shape"]) if view else []
+        sym = [s for s in shape if isinstance(s, torch.fx.Node)]
+
+        def repl(x, w, s, bias, *sym_sizes):
+            y = torch.ops.quantfuse.w8a16_gemm(x, w, s, bias)
+            if not view:
+                return y
+            sizes = iter(sym_sizes)
+            return y.reshape([next(sizes) if isinstance(d, torch.fx.Node) else d for d in shape])
+
+        match.replace_by_example(repl, [kw["x"], kw["w"], kw["s"], kw["bias"], *sym])
+
+    return handler
+
+
+# --------------------------------------------------------------------------- registration
+
+
+def register(passes: dict) -> None:
+    target = [passes[slot] for slot in SLOTS]
+    for form, pattern in patterns():
+        register_checked(pattern, target, FAMILY, form, functools.partial(plan, form=form))
+    for pattern, view in _bias_patterns():
+        register_graph_pattern(pattern, extra_check=_bias_check, pass_dict=target)(_bias_handler(view))
