@@ -47,7 +47,7 @@ void autograd_cuda(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch:
 
 // Every public op with a derivative in compile_backend/autograd.py (FORMULAS).
 TORCH_LIBRARY_IMPL(quantfuse, AutogradCUDA, m) {
-  for (const char* name : {"scaled_mm", "scaled_mm_azp", "awq_gemm", "awq_dequantize"}) {
+  for (const char* name : {"scaled_mm", "scaled_mm_azp", "awq_gemm", "awq_dequantize", "w8a16_gemm"}) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&autograd_cuda>());
   }
 }
