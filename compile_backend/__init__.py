@@ -15,5 +15,15 @@ from .backend import quantfuse
 from .explain import explain
 from .quantize import AWQLinear, W8A8Linear, quantize_model
 
-__all__ = ["AWQLinear", "W8A8Linear", "backend", "explain", "ops", "quantfuse", "quantize_model"]
+__all__ = ["AWQLinear", "W8A8Linear", "backend", "explain", "from_pretrained", "ops", "quantfuse", "quantize_model"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # from_pretrained (compile_backend/checkpoints) on first use: it needs transformers and safetensors,
+    # which ``import compile_backend`` does not import.
+    if name == "from_pretrained":
+        from .checkpoints import from_pretrained
+
+        return from_pretrained
+    raise AttributeError(f"module 'compile_backend' has no attribute {name!r}")

@@ -1,0 +1,81 @@
+"""What every checkpoint format shares: the error it raises and the plan of one quantized layer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+class UnsupportedCheckpointError(ValueError):
+    """A checkpoint uses a quantization scheme (or a tensor layout) that no quantfuse module holds."""
+
+
+@dataclass
+class LayerPlan:
+    """How one linear layer of the model is loaded from the checkpoint.
+
+    ``placeholder`` (on the meta device) takes the linear's place in the model while the
+    tensors are read; ``load`` gets this layer's tensors (by suffix: ``"weight"``,
+    ``"weight_scale"``, ...) once all of ``keys`` have been read and returns the real module.
+    """
+
+    name: str
+    scheme: str  # what the layer holds, for log lines and errors
+    keys: tuple[str, ...]  # the checkpoint keys (full names) this layer reads
+    placeholder: nn.Module
+    load: Callable[[dict[str, torch.Tensor]], nn.Module]
+
+
+def layer_tensors(name: str, keys) -> dict[str, str]:
+    """suffix -> full key of the checkpoint tensors that belong to module ``name`` itself."""
+    prefix = name + "."
+    return {k[len(prefix):]: k for k in keys if k.startswith(prefix) and "." not in k[len(prefix):]}
+
+
+def fill_buffers(module: nn.Module, name: str, tensors: dict[str, torch.Tensor]) -> nn.Module:
+    """Set ``module``'s buffers (built on the meta device) to ``tensors``, checking each against
+    the placeholder's shape and dtype; every buffer the module holds must be given."""
+    for buf, placeholder in module._buffers.items():
+        if placeholder is None:
+            continue
+        if buf not in tensors:
+            raise UnsupportedCheckpointError(f"{name}: no tensor for the module's {buf!r}")
+        t = tensors[buf]
+        if tuple(t.shape) != tuple(placeholder.shape) or t.dtype != placeholder.dtype:
+            raise UnsupportedCheckpointError(
+                f"{name}.{buf}: converted to shape {tuple(t.shape)}, dtype {t.dtype}; the module holds "
+                f"shape {tuple(placeholder.shape)}, dtype {placeholder.dtype}")
+        module._buffers[buf] = t.contiguous()
+    return module
+
+
+def check_tensor(key: str, t: torch.Tensor, *, dtypes=None, shapes=None, what: str = "") -> torch.Tensor:
+    """``t`` (checkpoint tensor ``key``) has one of ``dtypes`` and one of ``shapes``; else a clear error."""
+    ok_dtype = dtypes is None or t.dtype in dtypes
+    ok_shape = shapes is None or tuple(t.shape) in [tuple(s) for s in shapes]
+    if not (ok_dtype and ok_shape):
+        expected = what or " or ".join(
+            ([f"dtype {'/'.join(str(d) for d in dtypes)}"] if dtypes else [])
+            + ([f"shape {' or '.join(str(tuple(s)) for s in shapes)}"] if shapes else []))
+        raise UnsupportedCheckpointError(
+            f"checkpoint tensor {key!r} has shape {tuple(t.shape)}, dtype {t.dtype}; expected {expected}")
+    return t
+
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+          "half": torch.float16, "float": torch.float32}
+
+
+def parse_dtype(value, what: str) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        dtype = value
+    elif isinstance(value, str) and value.removeprefix("torch.") in DTYPES:
+        dtype = DTYPES[value.removeprefix("torch.")]
+    else:
+        raise ValueError(f"{what} {value!r}; expected torch.float16, torch.bfloat16 or torch.float32")
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"{what} {dtype}; expected torch.float16, torch.bfloat16 or torch.float32")
+    return dtype
