@@ -39,16 +39,16 @@ LINEARS = 14  # q, k, v, o, gate, up, down per layer; lm_head stays float
 VOCAB = 64
 
 
-def llama_config(tie=False):
+def llama_config(tie=False, hidden=128, intermediate=256):
     return transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tie, initializer_range=0.1,
-        bos_token_id=None, eos_token_id=None, pad_token_id=0)
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tie,
+        initializer_range=0.1, bos_token_id=None, eos_token_id=None, pad_token_id=0)
 
 
-def float_model(tie=False, seed=0):
+def float_model(tie=False, seed=0, **sizes):
     torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(llama_config(tie)).eval()
+    return transformers.LlamaForCausalLM(llama_config(tie, **sizes)).eval()
 
 
 def tokens(seed):
@@ -70,7 +70,7 @@ def rel(a, b) -> float:
 # --------------------------------------------------------------------------- writers
 
 
-def write_compressed_tensors(folder, groups: dict, seed=0):
+def write_compressed_tensors(folder, groups: dict, seed=0, **sizes):
     """What llm-compressor does for a one-shot min/max calibration, through compressed-tensors' API.
     ``groups``: config group name -> (targets, scheme arguments)."""
     ct = pytest.importorskip("compressed_tensors")
@@ -79,7 +79,7 @@ def write_compressed_tensors(folder, groups: dict, seed=0):
     from compressed_tensors.quantization.utils.helpers import calculate_qparams
 
     del ct
-    model = float_model(seed=seed)
+    model = float_model(seed=seed, **sizes)
     observed = {}  # linear name -> (min, max) of its inputs over the calibration batch
 
     def observe(name):
@@ -126,11 +126,11 @@ def write_compressed_tensors(folder, groups: dict, seed=0):
     return folder
 
 
-def write_awq(folder, group_size=32, style="autoawq", tie=False, shards=2, seed=0):
+def write_awq(folder, group_size=32, style="autoawq", tie=False, shards=2, seed=0, **sizes):
     """An AWQ gemm checkpoint: AutoAWQ's quantization_config (or transformers' AwqConfig) and its
     tensors (qweight [K, N/8], qzeros [K/G, N/8] int32, scales [K/G, N] float16), float16 elsewhere,
     split into ``shards`` files named by model.safetensors.index.json."""
-    model = float_model(tie=tie, seed=seed)
+    model = float_model(tie=tie, seed=seed, **sizes)
     tensors = {}
     for name, m in model.named_modules():
         if isinstance(m, torch.nn.Linear) and name != "lm_head":
@@ -169,7 +169,7 @@ def write_awq(folder, group_size=32, style="autoawq", tie=False, shards=2, seed=
 # --------------------------------------------------------------------------- reference
 
 
-def reference_model(folder, tie=False) -> torch.nn.Module:
+def reference_model(folder) -> torch.nn.Module:
     """float32 Llama whose linears hold the stored tensors, dequantized here."""
     t = stored(folder)
     sd = {}
@@ -186,7 +186,10 @@ def reference_model(folder, tie=False) -> torch.nn.Module:
             sd[f"{base}.weight"] = ((q - z) * s).t()
         elif suffix in ("weight", "bias") and "scale" not in key:
             sd[key] = value.float()
-    model = float_model(tie=tie)
+    config = transformers.AutoConfig.from_pretrained(folder)
+    del config.quantization_config
+    tie = config.tie_word_embeddings
+    model = transformers.LlamaForCausalLM(config).float().eval()
     result = model.load_state_dict(sd, strict=False)
     assert list(result.unexpected_keys) == [] and set(result.missing_keys) <= ({"lm_head.weight"} if tie else set())
     return model
@@ -207,10 +210,10 @@ def check_loaded(model, kind, **flags):
     assert not any(t.device.type == "meta" for t in list(model.parameters()) + list(model.buffers()))
 
 
-def check_compiled(model, families: dict):
+def check_compiled(model, families: dict, device="cpu"):
     """Every quantized linear fused (``families``: fused subgraphs per family), and the compiled
     logits equal eager's up to rounding."""
-    ids = tokens(seed=1)
+    ids = tokens(seed=1).to(device)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="quantfuse", options={"fx_graph_cache": False})
     with torch.no_grad(), collecting_report() as report:
@@ -363,7 +366,7 @@ def test_awq_tied_embeddings_bfloat16(tmp_path):
     ids = tokens(seed=1)
     with torch.no_grad():
         got = model(ids).logits
-        ref = reference_model(folder, tie=True)(ids).logits
+        ref = reference_model(folder)(ids).logits
     # bfloat16 activations and scales rounded to bfloat16 (8 bits of mantissa): ~1%.
     assert rel(got, ref) <= 5e-2, rel(got, ref)
 
@@ -371,6 +374,38 @@ def test_awq_tied_embeddings_bfloat16(tmp_path):
 @pytest.mark.compile
 def test_awq_fused(tmp_path):
     check_compiled(from_pretrained(write_awq(str(tmp_path / "awq"), shards=2)), {"awq_gemm": LINEARS})
+
+
+# --------------------------------------------------------------------------- GPU
+
+GPU_CASES = ["W8A8", "int8-static-asym", "FP8", "FP8_DYNAMIC", "awq"]
+
+
+@pytest.mark.gpu
+@pytest.mark.compile
+@pytest.mark.parametrize("case", GPU_CASES)
+def test_gpu_load_and_fuse(tmp_path, case):
+    """Read straight onto the GPU in float16 (hidden 256: K a multiple of 128, as the AWQ kernels
+    want), logits within the case's bound of the dequantized float32 reference, every linear fused,
+    compiled output equal to eager's up to rounding."""
+    sizes = dict(hidden=256, intermediate=512)
+    folder = str(tmp_path / case)
+    if case == "awq":
+        write_awq(folder, group_size=128, **sizes)
+        kind, families, bound = AWQLinear, {"awq_gemm": LINEARS}, AWQ_BOUND
+    else:
+        write_compressed_tensors(folder, {"group_0": (["Linear"], _presets()[case])}, **sizes)
+        kind, family, bound = W8A8Linear, CT_CASES[case][1], CT_CASES[case][2]
+        families = {family: LINEARS}
+    model = from_pretrained(folder, dtype=torch.float16, device="cuda")
+    check_loaded(model, kind)
+    assert all(t.device.type == "cuda" for t in list(model.parameters()) + list(model.buffers()))
+    ids = tokens(seed=1)
+    with torch.no_grad():
+        got = model(ids.cuda()).logits.cpu()
+        ref = reference_model(folder)(ids).logits
+    assert rel(got, ref) <= bound, rel(got, ref)
+    check_compiled(model, families, device="cuda")
 
 
 # --------------------------------------------------------------------------- unsupported schemes
