@@ -1,0 +1,192 @@
+"""Tensor parallelism on CPU: two processes (gloo), a tiny Hugging Face Llama quantized (attention int8
+W8A8, MLP AWQ g32, biases on every linear), sharded with ``tensor_parallel`` (q/k/v/gate/up column-wise,
+o/down row-wise) and compiled with ``backend="quantfuse"``.
+
+Both ranks run one spawn (``tp_results``: one compile per process, the bulk of the time) and report;
+the tests check what they reported:
+
+* every sharded linear of the compiled graph is fused on both ranks and the graph holds the
+  row-parallel all-reduces;
+* the logits equal the unsharded eager model's (the same on both ranks); the row-parallel bias is
+  added once (a bias added on each rank would be off by the bias, far beyond the tolerance);
+* the shards' buffers follow their weights; an AWQ group across two shards raises, naming the layer,
+  the group size and the shard size, and leaves the model unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.compile
+
+WORLD = 2
+HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, VOCAB = 64, 128, 4, 2, 64
+# Relative L2 of the logits (bf16 model).  Sharded vs unsharded eager: the row-parallel int8 layer
+# quantizes each rank's half of its input with its own per-token scale, and partial sums are rounded
+# to bf16 before the all-reduce (measured ~1e-2).  Compiled vs sharded eager: the fused ops' single
+# rounding from float32 against eager's bf16 steps, re-quantized activations (measured ~1e-2).
+TOL_SHARDED = 4e-2
+TOL_COMPILED = 4e-2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _model():
+    from compile_backend.quantize import quantize_model
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=1,
+        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=64,
+        attn_implementation="sdpa", tie_word_embeddings=False, attention_bias=True, mlp_bias=True,
+        bos_token_id=None, eos_token_id=None, pad_token_id=0, initializer_range=0.1)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # HF initialises biases to zero: make them count
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear) and m.bias is not None:
+                m.bias.normal_(0, 0.5)
+    model = model.to(torch.bfloat16)
+    quantize_model(model, "int8", skip=("lm_head", "mlp"))  # attention: W8A8 int8
+    quantize_model(model, "awq-g32")  # MLP: AWQ, K = 64 / 128 (row shard 64): whole groups per shard
+    return model
+
+
+def _rel(a, b) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    try:
+        _run(rank, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(rank: int, out: str) -> None:
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+
+    from compile_backend.passes import collecting_report
+    from compile_backend.quantize import AWQLinear, W8A8Linear
+    from compile_backend.tensor_parallel import RowParallelLinear, tensor_parallel
+
+    res = {}
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    model = _model()
+    full = {name: {k: v.clone() for k, v in m.state_dict().items()} for name, m in model.named_modules()
+            if isinstance(m, (W8A8Linear, AWQLinear))}
+    with torch.no_grad():
+        res["ref"] = model(ids, use_cache=False).logits.float()
+
+    # An AWQ group across two shards: K = 96 over 2 ranks is 48 per shard, group 32.
+    bad = torch.nn.Sequential()
+    bad.add_module("proj", AWQLinear(96, 64, group_size=32, dtype=torch.bfloat16))
+    try:
+        tensor_parallel(bad, plan={"proj": "rowwise"})
+        res["straddle"] = None
+    except ValueError as exc:
+        res["straddle"] = str(exc)
+    res["straddle_unchanged"] = type(bad.proj) is AWQLinear
+
+    tensor_parallel(model)
+    layer = model.model.layers[0]
+    o, gate = layer.self_attn.o_proj, layer.mlp.gate_proj
+    assert isinstance(o, RowParallelLinear) and isinstance(layer.mlp.down_proj, RowParallelLinear)
+    res["shapes"] = dict(q=tuple(layer.self_attn.q_proj.weight.shape), o=tuple(o.local.weight.shape),
+                         gate=tuple(gate.qweight.shape), down=tuple(layer.mlp.down_proj.local.qweight.shape))
+    f = full["model.layers.0.self_attn.q_proj"]
+    n = f["weight"].shape[0] // WORLD
+    res["q_follow"] = all(torch.equal(getattr(layer.self_attn.q_proj, k), f[k][rank * n:(rank + 1) * n])
+                          for k in ("weight", "weight_scale", "bias"))
+    f = full["model.layers.0.mlp.down_proj"]
+    k = f["qweight"].shape[0] // WORLD
+    down = layer.mlp.down_proj
+    res["down_follow"] = (torch.equal(down.local.qweight, f["qweight"][rank * k:(rank + 1) * k])
+                          and torch.equal(down.local.scales, f["scales"][rank * k // 32:(rank + 1) * k // 32])
+                          and torch.equal(down.bias, f["bias"]) and down.local.bias is None)
+    with torch.no_grad():
+        res["sharded"] = model(ids, use_cache=False).logits.float()
+
+    torch._dynamo.reset()
+    counters.clear()
+    code = []
+    from torch._inductor.utils import run_and_get_code
+
+    with collecting_report() as report, torch._functorch.config.patch(enable_autograd_cache=False), \
+            torch._inductor.config.patch(fx_graph_cache=False, compile_threads=1), torch.no_grad():
+        compiled = torch.compile(model, backend="quantfuse")
+        logits, code = run_and_get_code(lambda: compiled(ids, use_cache=False).logits)
+    res["compiled"] = logits.float()
+    res["graphs"] = counters["stats"]["unique_graphs"]
+    res["fused"] = [f"{r.family} ({r.form})" for r in report.fused]
+    res["unfused"] = [str(u) for u in report.unfused]
+    res["linears"] = sum(isinstance(m, (W8A8Linear, AWQLinear)) for m in model.modules())
+    src = "\n".join(code)
+    res["all_reduces"] = src.count("torch.ops._c10d_functional.all_reduce_.default(")
+    res["quantfuse_mms"] = sum(src.count(f"torch.ops.quantfuse.{op}.default(") for op in ("scaled_mm", "awq_gemm"))
+    res["world"] = dist.get_world_size()
+    torch.save(res, os.path.join(out, f"rank{rank}.pt"))
+
+
+@pytest.fixture(scope="module")
+def tp_results(tmp_path_factory):
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path_factory.mktemp("tp"))
+    mp.spawn(_worker, args=(_free_port(), out), nprocs=WORLD, join=True)
+    return [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(WORLD)]
+
+
+def test_every_linear_fused_on_every_rank(tp_results):
+    for rank, res in enumerate(tp_results):
+        assert res["world"] == WORLD
+        assert res["graphs"] == 1, (rank, res["graphs"])
+        assert not res["unfused"], (rank, res["unfused"])
+        # 7 sharded linears, each one fused subgraph: q/k/v/o int8, gate/up/down AWQ
+        assert res["linears"] == 7 and len(res["fused"]) == res["linears"], (rank, res["fused"])
+        assert sum(f.startswith("awq_gemm") for f in res["fused"]) == 3, (rank, res["fused"])
+        # in the generated code: one matmul op per linear, or fewer where ops sharing an input were
+        # merged (q/k/v, gate/up; passes/horizontal.py), and one all-reduce per row-parallel layer
+        assert 4 <= res["quantfuse_mms"] <= 7, (rank, res["quantfuse_mms"])
+        assert res["all_reduces"] == 2, (rank, res["all_reduces"])
+
+
+def test_outputs_match_unsharded_model(tp_results):
+    ref = tp_results[0]["ref"]
+    for rank, res in enumerate(tp_results):
+        assert torch.equal(res["ref"], ref), rank  # both ranks start from the same model
+        assert _rel(res["sharded"], ref) < TOL_SHARDED, (rank, _rel(res["sharded"], ref))
+        assert _rel(res["compiled"], res["sharded"]) < TOL_COMPILED, (rank, _rel(res["compiled"], res["sharded"]))
+        assert _rel(res["compiled"], ref) < TOL_SHARDED + TOL_COMPILED, (rank, _rel(res["compiled"], ref))
+    # the ranks' outputs are replicated after the last all-reduce
+    assert _rel(tp_results[1]["compiled"], tp_results[0]["compiled"]) < 1e-6
+
+
+def test_shards_follow_their_weights(tp_results):
+    for rank, res in enumerate(tp_results):
+        assert res["shapes"] == dict(q=(HIDDEN // WORLD, HIDDEN), o=(HIDDEN, HIDDEN // WORLD),
+                                     gate=(HIDDEN, INTERMEDIATE // WORLD // 8),
+                                     down=(INTERMEDIATE // WORLD, HIDDEN // 8)), (rank, res["shapes"])
+        assert res["q_follow"] and res["down_follow"], rank
+
+
+def test_awq_group_across_shards_raises(tp_results):
+    for rank, res in enumerate(tp_results):
+        msg = res["straddle"]
+        assert msg is not None, f"rank {rank}: no error for an AWQ group across two shards"
+        assert "'proj'" in msg and "group size 32" in msg and "48 input features" in msg, msg
+        assert res["straddle_unchanged"], rank
