@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..quantize import AWQLinear
-from .common import LayerPlan, UnsupportedCheckpointError, layer_tensors
+from .common import LayerPlan, UnsupportedCheckpointError, layer_tensors, unsupported
 
 LAYER_TENSORS = {"qweight", "qzeros", "scales", "bias", "g_idx"}
 
@@ -25,24 +25,22 @@ class AWQFormat:
     method = "awq"
 
     def __init__(self, qcfg: dict):
-        where = "quantization_config"
-
-        def unsupported(key, value, scheme):
-            raise UnsupportedCheckpointError(f"{where}.{key} = {value!r}: {scheme} is not supported by quantfuse")
+        def no(key, value, scheme):
+            unsupported("quantization_config", key, value, scheme)
 
         bits = qcfg.get("bits", qcfg.get("w_bit", 4))
         if bits != 4:
-            unsupported("bits", bits, f"{bits}-bit AWQ (only 4-bit)")
+            no("bits", bits, f"{bits}-bit AWQ (only 4-bit)")
         version = str(qcfg.get("version") or qcfg.get("format") or "gemm").lower()
         if version != "gemm":
-            unsupported("version", version, f"the AWQ {version!r} weight layout (only 'gemm')")
+            no("version", version, f"the AWQ {version!r} weight layout (only 'gemm')")
         if not qcfg.get("zero_point", True):
-            unsupported("zero_point", False, "AWQ without zero points")
+            no("zero_point", False, "AWQ without zero points")
         if qcfg.get("desc_act"):
-            unsupported("desc_act", True, "activation ordering (act-order)")
+            no("desc_act", True, "activation ordering (act-order)")
         group = qcfg.get("group_size", qcfg.get("q_group_size", 128))
         if not isinstance(group, int) or not (group > 0 or group == -1):
-            unsupported("group_size", group, "this group size (expected a positive integer or -1)")
+            no("group_size", group, "this group size (expected a positive integer or -1)")
         self.group_size = group
 
     def skipped_keys(self, keys) -> set[str]:

@@ -13,6 +13,11 @@ class UnsupportedCheckpointError(ValueError):
     """A checkpoint uses a quantization scheme (or a tensor layout) that no quantfuse module holds."""
 
 
+def unsupported(where: str, key: str, value, scheme: str):
+    """Raise for config key ``where.key`` set to ``value``, which asks for ``scheme``."""
+    raise UnsupportedCheckpointError(f"{where}.{key} = {value!r}: {scheme} is not supported by quantfuse")
+
+
 @dataclass
 class LayerPlan:
     """How one linear layer of the model is loaded from the checkpoint.

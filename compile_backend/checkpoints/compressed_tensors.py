@@ -1,4 +1,4 @@
-"""compressed-tensors checkpoints (what llm-compressor writes): W8A8 int8 and FP8 -> ``W8A8Linear``.
+"""compressed-tensors checkpoints (what llm-compressor writes): W8A8 int8 and FP8 -> ``W8A8Linear``, W4A16.
 
 ``quantization_config`` (``quant_method: compressed-tensors``) holds ``config_groups``, each with
 ``targets`` (module names, ``re:`` regexes or class names such as ``Linear``), ``weights`` and
@@ -11,9 +11,10 @@ Formats ``int-quantized``, ``float-quantized`` (and ``naive-quantized``) store p
   activations; none for dynamic ones (strategy ``token`` or ``tensor``);
 * ``bias`` when the layer has one.
 
-Every other scheme (group/block weight scales, asymmetric weights, per-group activation scales,
-weight-only, 4-bit packed, sparsity, transforms) raises ``UnsupportedCheckpointError`` naming the
-config key and the scheme.
+``pack-quantized`` 4-bit weight-only layers (W4A16) become ``AWQLinear`` (``pack_quantized.py``).
+Every other scheme (group/block scales on 8-bit weights, asymmetric 8-bit weights, per-group
+activation scales, 8-bit weight-only, other bit widths, sparsity, transforms) raises
+``UnsupportedCheckpointError`` naming the config key and the scheme.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ import torch
 from torch import nn
 
 from ..quantize import W8A8Linear
-from .common import LayerPlan, UnsupportedCheckpointError, check_tensor, fill_buffers, layer_tensors
+from . import pack_quantized
+from .common import LayerPlan, UnsupportedCheckpointError, check_tensor, fill_buffers, layer_tensors, unsupported
 
 log = logging.getLogger("quantfuse.checkpoints")
 
@@ -117,50 +119,49 @@ class CompressedTensorsFormat:
         """W8A8Linear's arguments for group ``g``, or UnsupportedCheckpointError naming the config key."""
         if g.name in self._schemes:
             return self._schemes[g.name]
-        where = f"quantization_config.config_groups.{g.name}"
-
-        def unsupported(key, value, scheme):
-            raise UnsupportedCheckpointError(f"{where}.{key} = {value!r}: {scheme} is not supported by quantfuse")
+        def no(key, value, scheme):
+            unsupported(f"quantization_config.config_groups.{g.name}", key, value, scheme)
 
         if g.format not in FORMATS:
-            unsupported("format", g.format, f"the {g.format!r} storage format (supported: {', '.join(FORMATS)})")
+            no("format", g.format,
+               f"the {g.format!r} storage format (supported: {', '.join(FORMATS)}, pack-quantized)")
         w, a = g.weights, g.inputs
         if not w:
-            unsupported("weights", w, "a scheme without weight quantization")
+            no("weights", w, "a scheme without weight quantization")
         if w.get("num_bits") != 8:
-            unsupported("weights.num_bits", w.get("num_bits"), f"{w.get('num_bits')}-bit weights (only 8-bit)")
+            no("weights.num_bits", w.get("num_bits"), f"{w.get('num_bits')}-bit weights (only 8-bit)")
         if w.get("type") not in WEIGHT_DTYPES:
-            unsupported("weights.type", w.get("type"), "this weight type (expected 'int' or 'float')")
+            no("weights.type", w.get("type"), "this weight type (expected 'int' or 'float')")
         if w.get("strategy") not in ("channel", "tensor"):
-            unsupported("weights.strategy", w.get("strategy"),
+            no("weights.strategy", w.get("strategy"),
                         "group-wise or block-wise weight scales (expected 'channel' or 'tensor')")
         if not w.get("symmetric", True):
-            unsupported("weights.symmetric", False, "asymmetric weights (a weight_zero_point)")
+            no("weights.symmetric", False, "asymmetric weights (a weight_zero_point)")
         if w.get("dynamic"):
-            unsupported("weights.dynamic", w.get("dynamic"), "dynamic weight quantization")
+            no("weights.dynamic", w.get("dynamic"), "dynamic weight quantization")
         if w.get("actorder"):
-            unsupported("weights.actorder", w.get("actorder"), "activation ordering (act-order)")
+            no("weights.actorder", w.get("actorder"), "activation ordering (act-order)")
         if not a:
-            unsupported("input_activations", a, "weight-only 8-bit quantization (W8A16: no quantfuse module)")
+            no("input_activations", a, "weight-only 8-bit quantization (W8A16: no quantfuse module)")
         if a.get("num_bits") != 8:
-            unsupported("input_activations.num_bits", a.get("num_bits"),
+            no("input_activations.num_bits", a.get("num_bits"),
                         f"{a.get('num_bits')}-bit activations (only 8-bit)")
         if a.get("type") != w.get("type"):
-            unsupported("input_activations.type", a.get("type"),
+            no("input_activations.type", a.get("type"),
                         f"{a.get('type')} activations with {w.get('type')} weights")
         dynamic = a.get("dynamic", False)
         if dynamic not in (True, False):
-            unsupported("input_activations.dynamic", dynamic, "locally dynamic activation scales")
+            no("input_activations.dynamic", dynamic, "locally dynamic activation scales")
         strategy = a.get("strategy")
         if strategy not in ("token", "tensor") or (strategy == "token" and not dynamic):
-            unsupported("input_activations.strategy", strategy,
+            no("input_activations.strategy", strategy,
                         "this activation scale granularity (per-group activation scales included; expected "
                         "'token' (dynamic) or 'tensor')")
         symmetric = a.get("symmetric", True)
         if not symmetric and w["type"] != "int":
-            unsupported("input_activations.symmetric", False, "asymmetric float8 activations")
+            no("input_activations.symmetric", False, "asymmetric float8 activations")
         if g.outputs:
-            unsupported("output_activations", g.outputs, "output activation quantization")
+            no("output_activations", g.outputs, "output activation quantization")
         scheme = dict(weight_dtype=WEIGHT_DTYPES[w["type"]], per_channel=w["strategy"] == "channel",
                       dynamic=bool(dynamic), per_token=strategy == "token", symmetric=symmetric)
         self._schemes[g.name] = scheme
@@ -186,6 +187,8 @@ class CompressedTensorsFormat:
                     f"checkpoint tensor {tensors['weight_scale']!r}: module {name!r} is quantized in the checkpoint "
                     "but no config group targets it (or it is in 'ignore')")
             return None
+        if g.format == "pack-quantized":
+            return pack_quantized.plan(name, linear, tensors, g, dtype)
         scheme = self._scheme(g)
         allowed = {"weight", "weight_scale", "bias"}
         required = {"weight", "weight_scale"}
