@@ -33,8 +33,9 @@ _UNPACK = {
     aten.bitwise_and.Scalar, aten.__rshift__.Scalar, aten.__rshift__.Tensor, aten.__and__.Scalar,
     aten.__and__.Tensor,
 }
-# How far back (in nodes) an operand is followed: a dequantize chain is a few ops long.
-MAX_DEPTH = 6
+# How far back (in nodes) an operand is followed: a dequantize chain written out op by op
+# (stacked nibbles, a reorder, group expansion, casts) is up to a dozen ops long.
+MAX_DEPTH = 16
 # A GEMM's output is a fresh float tensor, not a quantized one: tracing stops there
 # (otherwise every float matmul downstream of a quantized layer would look quantized).
 _GEMM_OUTPUTS = MATMULS | {

@@ -191,11 +191,13 @@ def replace_with_plan(match: Match, plan: Plan) -> None:
 
 
 def register_checked(pattern: PatternExpr, passes, family: str, form: str | None,
-                     plan_fn: Callable[[Match], Plan]) -> None:
+                     plan_fn: Callable[[Match], Plan | None]) -> None:
     """Register ``pattern``; ``plan_fn`` checks a match (raising ``Reject``) and plans its replacement.
 
     A failed check is remembered on the match's matmul node as
     ``"<family> (<form>): <reason>"`` (``"<family>: <reason>"`` without a form).
+    ``plan_fn`` returns None for a match that is no candidate of the family at all
+    (a pattern as wide as any ``mm``): nothing is remembered.
     """
     label = family if form is None else f"{family} ({form})"
 
@@ -204,6 +206,8 @@ def register_checked(pattern: PatternExpr, passes, family: str, form: str | None
             return False  # a joint graph's backward stays eager's own autograd
         try:
             plan = plan_fn(match)
+            if plan is None:
+                return False
             # The replacement returns the source's dtype, whatever the checks concluded.
             source = tensor_val(match.output_node())
             require(source is not None and plan.out_dtype == source.dtype,

@@ -12,16 +12,19 @@ one).  ``graph_str`` and ``count_calls`` are the shared ones.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from expecttest import TestCase
 from pass_helpers import apply_passes, count_calls, graph_str
 from torch import nn
 
+from compile_backend.ops import AWQ_ORDER
 from compile_backend.passes import FusionReport, collecting_report
 from compile_backend.passes.report import noted_reasons
 from compile_backend.quantize import AWQLinear
@@ -88,27 +91,28 @@ class AutoAWQLinear(nn.Module):
     from the reverse order (AutoAWQ); "chunk" gathers a [K*N/8, 8] view with the 8-entry
     order; None leaves the columns in the shift order (a *different* bit order).
     ``order`` is the 8-entry gather order, ``shift_bits`` / ``mask`` the unpack's step and
-    mask, ``expand`` how zeros and scales reach [K, N], ``zero_point`` what is subtracted.
+    mask, ``expand`` how zeros and scales reach [K, N], ``zero_point`` what is subtracted;
+    ``zeros_reorder=False`` leaves the zero points' columns in packing order (a near miss).
     """
 
     def __init__(self, awq: AWQLinear, *, reorder="full", order=AWQ_REVERSE_ORDER, shift_bits=4, mask=15,
-                 expand="repeat_interleave", zero_point="packed"):
+                 expand="repeat_interleave", zero_point="packed", zeros_reorder=True):
         super().__init__()
         for name in ("qweight", "qzeros", "scales", "bias"):
             self.register_buffer(name, getattr(awq, name))
         self.group_size = awq.group_size
         self.reorder, self.order, self.shift_bits, self.mask = reorder, list(order), shift_bits, mask
-        self.expand, self.zero_point = expand, zero_point
+        self.expand, self.zero_point, self.zeros_reorder = expand, zero_point, zeros_reorder
 
-    def unpack(self, packed):
+    def unpack(self, packed, reorder=True):
         shifts = torch.arange(0, 32, self.shift_bits, device=packed.device)
         values = torch.bitwise_right_shift(packed[:, :, None], shifts[None, None, :]).to(torch.int8)
         values = values.view(packed.shape[0], -1)
-        if self.reorder == "full":
+        if reorder and self.reorder == "full":
             index = torch.arange(values.shape[-1], dtype=torch.int32, device=packed.device)
             index = index.view(-1, 8)[:, self.order].view(-1)
             values = values[:, index]
-        elif self.reorder == "chunk":
+        elif reorder and self.reorder == "chunk":
             values = values.view(-1, 8)[:, self.order].view(packed.shape[0], -1)
         return torch.bitwise_and(values, self.mask)
 
@@ -123,7 +127,7 @@ class AutoAWQLinear(nn.Module):
     def forward(self, x):
         w = self.unpack(self.qweight)
         if self.zero_point == "packed":
-            w = w - self.groups(self.unpack(self.qzeros))
+            w = w - self.groups(self.unpack(self.qzeros, self.zeros_reorder))
         elif self.zero_point == "scalar":
             w = w - 8
         w = w * self.groups(self.scales)
@@ -396,6 +400,191 @@ def test_dequantized_weight_used_twice():
     assert t.count(AWQ_GEMM) == 0 and t.count(aten.mm.default) == 1
     for out, exp in zip(t.output, t.expected):
         torch.testing.assert_close(out, exp, rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------- other libraries and hand-written forms
+
+
+class TorchAwqLinear(nn.Module):
+    """transformers' AWQ layer (``AwqConfig`` with ``backend="torch_awq"``: gptqmodel's ``AwqTorchLinear``),
+    its forward written out in plain torch so the test needs neither package.
+
+    The activation is flattened to 2-D; each int32 tensor is unpacked column-wise (``q[:, :, None]``
+    shifted by an int64 ``arange(0, 32, 4)``, viewed to ``[R, N]``, ``& 15``) and cut to the scales'
+    N columns (a no-op slice: ``aten.alias`` in the graph), reordered by AutoAWQ's reverse order and
+    masked again; groups by ``repeat_interleave``; ``(w - z) * s`` in int64 then the scales' dtype;
+    matmul, ``+ bias``, reshape back.  ``zeros_shift`` rolls the unpacked zero points by that many
+    columns (a near miss).
+    """
+
+    def __init__(self, awq: AWQLinear, zeros_shift: int = 0):
+        super().__init__()
+        for name in ("qweight", "qzeros", "scales", "bias"):
+            self.register_buffer(name, getattr(awq, name))
+        self.group_size, self.zeros_shift = awq.group_size, zeros_shift
+
+    @staticmethod
+    def _unpack(q, count):
+        shifts = torch.arange(0, 32, 4, device=q.device)
+        nibbles = torch.bitwise_right_shift(q[:, :, None], shifts[None, None, :])
+        return (nibbles.view(q.shape[0], -1) & 15)[..., :count]
+
+    @staticmethod
+    def _reorder(t):
+        index = torch.arange(t.shape[-1], dtype=torch.int32, device=t.device).view(-1, 8)
+        return t[:, index[:, AWQ_REVERSE_ORDER].view(-1)]
+
+    def forward(self, x):
+        n = self.scales.shape[-1]
+        out_shape = x.shape[:-1] + (n,)
+        x2 = x.reshape(-1, x.shape[-1])
+        w = self._reorder(self._unpack(self.qweight, n)) & 15
+        z = self._reorder(self._unpack(self.qzeros, n)) & 15
+        if self.zeros_shift:
+            z = torch.cat([z[:, self.zeros_shift:], z[:, :self.zeros_shift]], dim=1)
+        g = self.group_size
+        w = ((w - z.repeat_interleave(g, 0)) * self.scales.repeat_interleave(g, 0)).to(x2.dtype).contiguous()
+        y = torch.matmul(x2, w)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(out_shape)
+
+
+class StackAWQLinear(nn.Module):
+    """The AWQ dequantization as one might write it by hand: the nibbles unpacked by
+    ``torch.stack([(p >> 4 * r) & 0xF for r in order], -1).reshape(R, N)``.
+
+    ``groups``: "view" expands the groups by viewing the weight as ``[K/G, G, N]`` and broadcasting the
+    ``[K/G, 1, N]`` zeros and scales; "repeat_interleave" as AWQLinear; "shifted" moves every group
+    boundary of the scales down by one row; "tile" repeats the scales instead of interleaving them;
+    "zeros-tile" does that to the zero points.  ``linear``: ``F.linear`` of the transposed weight
+    (an ``addmm`` for a 2-D activation).
+    """
+
+    def __init__(self, awq: AWQLinear, *, order=AWQ_ORDER, groups="view", linear=False):
+        super().__init__()
+        for name in ("qweight", "qzeros", "scales", "bias"):
+            self.register_buffer(name, getattr(awq, name))
+        self.order, self.groups, self.linear = tuple(order), groups, linear
+
+    def unpack(self, p):
+        return torch.stack([(p >> (4 * r)) & 0xF for r in self.order], -1).reshape(p.shape[0], -1)
+
+    def weight(self):
+        w, z, s = self.unpack(self.qweight), self.unpack(self.qzeros), self.scales
+        groups, n = s.shape
+        if self.groups == "view":
+            return ((w.view(groups, -1, n) - z[:, None, :]) * s[:, None, :]).reshape(-1, n)
+        g = w.shape[0] // groups
+        z, s_rows = z.repeat_interleave(g, 0), s.repeat_interleave(g, 0)
+        if self.groups == "shifted":
+            s_rows = torch.cat([s_rows[:1], s_rows[:-1]])
+        elif self.groups == "tile":
+            s_rows = s.repeat(g, 1)
+        elif self.groups == "zeros-tile":
+            z = self.unpack(self.qzeros).repeat(g, 1)
+        return (w - z) * s_rows
+
+    def forward(self, x):
+        if self.linear:
+            return F.linear(x, self.weight().t(), self.bias)
+        return x @ self.weight() + self.bias
+
+
+SEMANTIC_FORMS = {
+    "transformers-torch-awq": (TorchAwqLinear, "autoawq_reorder"),
+    "stack-view-broadcast": (StackAWQLinear, "nibble_stack"),
+    "stack-linear-transposed": (functools.partial(StackAWQLinear, groups="repeat_interleave", linear=True),
+                                "nibble_stack"),
+}
+
+
+@pytest.mark.parametrize("form", SEMANTIC_FORMS)
+@pytest.mark.parametrize(("group_size", "dtype", "dim"), [
+    (64, torch.float16, 3), (128, torch.bfloat16, 2), (-1, torch.float16, 2)])
+def test_semantic_forms(form, group_size, dtype, dim):
+    """Each form fuses into the op AWQLinear's graph gives, with the same output bit for bit."""
+    make, form_name = SEMANTIC_FORMS[form]
+    awq = awq_params(group_size, dtype, bias=True)
+    x = activations(dim, dtype)
+    t = trace(make(awq), x)
+    assert t.count(AWQ_GEMM) == 1, graph_str(t.after)
+    assert t.count(aten.mm.default, aten.addmm.default, *UNPACK_OPS, aten.bitwise_right_shift.Tensor) == 0
+    (fused,) = t.report.fused
+    assert (fused.family, fused.form) == ("awq_gemm", form_name)
+    node = next(n for n in t.after.graph.nodes if n.target == AWQ_GEMM)
+    assert node.args[4] == (K if group_size == -1 else group_size) and node.args[5] is not None
+    reference = trace(awq, x)
+    assert reference.count(AWQ_GEMM) == 1
+    assert torch.equal(t.output, reference.output)
+    assert_output_close(t.output, t.expected)
+
+
+def test_transformers_graph_is_the_one_described():
+    """The reproduced layer's graph holds what kept it unfused before: an alias from the no-op slice
+    and the mask applied twice to each tensor."""
+    t = trace(TorchAwqLinear(awq_params(64, torch.float16, bias=True)), activations(3, torch.float16))
+    assert t.before.count("aten.alias(") == 2 and t.before.count("aten.bitwise_and.Scalar(") == 4
+    assert t.count(AWQ_GEMM) == 1
+
+
+SEMANTIC_NEAR_MISSES = {
+    "stack-sequential-nibbles": (dict(order=range(8)), "bit order: columns 0..7 read bits [0, 4, 8"),
+    "stack-two-nibbles-swapped": (dict(order=(0, 4, 1, 5, 2, 6, 7, 3)), "bit order"),
+    "shifted-group-boundary": (dict(groups="shifted"), "row 0 of group 1, column 0 is scaled by scales[0, 0]"),
+    "scales-tiled": (dict(groups="tile"), "another group or column of the scales"),
+    "zeros-tiled": (dict(groups="zeros-tile"), "the zero points are read from another column or group"),
+}
+
+
+@pytest.mark.parametrize("case", SEMANTIC_NEAR_MISSES)
+def test_semantic_near_miss(case):
+    kw, reason = SEMANTIC_NEAR_MISSES[case]
+    assert_left_alone(trace(StackAWQLinear(awq_params(64, torch.float16, bias=True), **kw),
+                            activations(3, torch.float16)), reason)
+
+
+def test_zero_point_from_the_wrong_column():
+    """transformers' layer with the zero points rolled by one column: each column subtracts its
+    neighbour's zero point."""
+    mod = TorchAwqLinear(awq_params(64, torch.float16, bias=False), zeros_shift=1)
+    t = trace(mod, activations(2, torch.float16))
+    assert t.count(AWQ_GEMM) == 0 and t.report.fused == []
+    assert any("the zero points are read from another column or group" in u.reason for u in t.report.unfused)
+    torch.testing.assert_close(t.output, t.expected, rtol=0, atol=0)
+
+
+def test_autoawq_zeros_left_in_packing_order():
+    """AutoAWQ's form reordering the weight's columns but not the zero points' columns."""
+    mod = AutoAWQLinear(awq_params(64, torch.float16, bias=True), zeros_reorder=False)
+    assert_left_alone(trace(mod, activations(3, torch.float16)),
+                      "the zero points are read from another column or group")
+
+
+def test_lookup_by_value_is_not_a_reorder():
+    """A gather whose indices are the unpacked nibbles (a table lookup) is outside what the probe decides."""
+    mod = awq_params(64, torch.float16, bias=False)
+    table = torch.arange(16, dtype=torch.int32)
+
+    def f(x):
+        from compile_backend.ops import awq_unpack
+
+        w = table[awq_unpack(mod.qweight)]
+        z = awq_unpack(mod.qzeros).repeat_interleave(64, dim=0)
+        return x @ ((w - z).to(torch.float16) * mod.scales.repeat_interleave(64, dim=0))
+
+    assert_left_alone(trace(f, activations(2, torch.float16)), "gathers by indices computed from")
+
+
+def test_near_miss_reason_in_explain():
+    """explain() gives the probe's reason for the layer it leaves unfused."""
+    import compile_backend
+
+    model = StackAWQLinear(awq_params(64, torch.float16, bias=True), order=range(8))
+    report = compile_backend.explain(model, activations(3, torch.float16), options={"families": ("awq_gemm",)})
+    assert report.fused == []
+    (unfused,) = report.unfused
+    assert "awq_gemm: bit order" in unfused.reason, str(report)
 
 
 # --------------------------------------------------------------------------- through torch.compile
