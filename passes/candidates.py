@@ -1,7 +1,7 @@
 """Finds matmuls left in a graph whose inputs look quantized, for the report.
 
 Runs after our patterns in the last slot that holds any.  A matmul (``mm``,
-``addmm``, ``bmm``, ``baddbmm``, ``_int_mm``, ``matmul``, ``linear``) is a
+``addmm``, ``bmm``, ``baddbmm``, ``_int_mm``, ``_scaled_mm``, ``matmul``, ``linear``) is a
 candidate when one of its operands traces back, through element-wise and
 layout ops, to an int8 / uint8 / float8 tensor, an int32 tensor that is
 unpacked with shifts or masks (packed int4); ``_int_mm`` itself always is.
@@ -25,7 +25,7 @@ aten = torch.ops.aten
 
 MATMULS = {
     aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten._int_mm.default,
-    aten.matmul.default, aten.linear.default,
+    aten.matmul.default, aten.linear.default, aten._scaled_mm.default,
 }
 QUANT_DTYPES = {torch.int8, torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2}
 _UNPACK = {

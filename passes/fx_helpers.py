@@ -169,7 +169,7 @@ class Plan:
     form: str | None = None
 
 
-MATMUL_TARGETS = (aten.mm.default, aten.addmm.default, aten._int_mm.default)
+MATMUL_TARGETS = (aten.mm.default, aten.addmm.default, aten._int_mm.default, aten._scaled_mm.default)
 
 
 def matmul_node(match: Match) -> Node | None:
@@ -534,8 +534,19 @@ def register_epilogue_rules(passes, sig: OpSignature) -> None:
         epilogue.replace_all_uses_with(new_view)
         match.erase_nodes()
 
+    # --- a view of a view of the op: one view (the op's output is contiguous), so the rules above see it
+    def collapse_handler(match: Match, *args, **kwargs) -> None:
+        graph, outer, node = match.graph, match.output_node(), op_node(match)
+        with graph.inserting_before(outer):
+            new_view = graph.call_function(outer.target, (node, *outer.args[1:]))
+        new_view.meta["val"] = val(outer)
+        outer.replace_all_uses_with(new_view)
+        match.erase_nodes()
+
     bias = KeywordArg("bias")
     for opx in ops:
+        register_graph_pattern(CallFunction(VIEWS, CallFunction(VIEWS, opx, Ignored()), Ignored()),
+                               pass_dict=passes)(collapse_handler)
         for add in (CallFunction(ADD, opx, bias), CallFunction(ADD, bias, opx)):
             register_graph_pattern(add, extra_check=bias_check, pass_dict=passes)(bias_handler)
         register_graph_pattern(CallFunction(CONVERT, opx, KeywordArg("dt")), extra_check=convert_check,

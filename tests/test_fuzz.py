@@ -8,7 +8,8 @@ tensors or Python numbers; zero points per tensor or per token, integer or fract
 ``F.linear``, ``@ w.t()``, ``mm``, ``matmul`` and a weight stored transposed; bias or
 not; casts after; 2-D and 3-D activations with odd strides; several matmuls sharing one
 dequantized activation), the ``torch._int_mm`` form (scale orders, promotion, a rounding
-cast between the scales), AWQ chains (AWQLinear's and AutoAWQ's unpacking, group sizes,
+cast to bfloat16 between the scales, fused within the source's own rounding), AWQ chains
+(AWQLinear's and AutoAWQ's unpacking, group sizes,
 group expansions, another bit order, no zero point), the project's own ``W8A8Linear`` and
 ``AWQLinear`` modules (after ``.to(dtype)`` too), and plain float linears.
 
@@ -264,12 +265,12 @@ class IntMMSpec:
     sa_shape: str  # "m1", "tensor"
     bias: bool
     out_cast: torch.dtype | None
-    mid_cast: bool  # near-miss: (acc * sa) rounded to bfloat16 before * sb
+    mid_cast: bool  # (acc * sa) rounded to bfloat16 before * sb: fused, the op rounds once
     layout: str
 
     @property
     def near_misses(self) -> list[str]:
-        return ["rounding cast between the scales"] if self.mid_cast else []
+        return []
 
 
 class IntMMLayer(nn.Module):

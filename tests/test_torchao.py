@@ -1,0 +1,388 @@
+"""Models quantized with torchao (``Int8DynamicActivationInt8WeightConfig``,
+``Float8DynamicActivationFloat8WeightConfig`` per-row and per-tensor) under ``backend="quantfuse"``.
+
+* FX level (fast): every linear of a small model becomes ``quantfuse::scaled_mm`` in each form
+  torchao writes — int8 on CPUs with VNNI (``u8s8``: ``(x + 128)`` as uint8, minus ``128·colsum(w)``),
+  without (``s8s8``) and on CUDA (``_int_mm`` times an ``expand``-ed activation scale; traced here
+  on CPU by taking torchao's CUDA code path), in float32, bfloat16 and float16; fp8 through
+  ``torch._scaled_mm`` (torchao's hardware check is lifted on CPU, where ``_scaled_mm`` runs).
+  Results are checked against torchao's own eager output with the bound docs/DESIGN.md states:
+  the fused op rounds once, so it may differ from the source by the source's own intermediate
+  rounding (bfloat16/float16 between the two scale multiplications) and nothing more.
+* Near-misses that must stay unfused, each with the reason the report gives.
+* End to end through ``torch.compile`` (generated code counted) on CPU, and on a GPU the
+  fp8 and int8 paths torchao takes there.
+
+torchao is an optional dependency (the ``torchao`` extra): without it these tests are skipped.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from pass_helpers import apply_passes
+from torch._inductor.utils import run_and_get_code
+
+torchao = pytest.importorskip("torchao")
+
+import torchao.kernel.intmm as intmm  # noqa: E402
+import torchao.quantization.quant_api as quant_api  # noqa: E402
+from torchao.quantization import (  # noqa: E402
+    Float8DynamicActivationFloat8WeightConfig,
+    Int8DynamicActivationInt8WeightConfig,
+    PerRow,
+    PerTensor,
+    quantize_,
+)
+
+from compile_backend.passes import collecting_report  # noqa: E402
+
+aten = torch.ops.aten
+K = 64
+OPTIONS = {"fx_graph_cache": False, "emulate_precision_casts": True}
+UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+SOURCE_MATMULS = (aten._int_mm.default, aten._scaled_mm.default, aten.mm.default, aten.addmm.default)
+
+
+class Parallel(torch.nn.Module):
+    """Three linears (with and without bias, different N), each reading its own transform of the
+    input: every output element comes from one linear of a model input, so each is checked against
+    the bound (no error carried from layer to layer), and no two linears share an input (which
+    the passes would merge into one op)."""
+
+    def __init__(self, dtype, k=K, widths=(48, 32, 16), device="cpu"):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(k, widths[0])
+        self.b = torch.nn.Linear(k, widths[1], bias=False)
+        self.c = torch.nn.Linear(k, widths[2])
+        self.to(device=device, dtype=dtype)
+
+    def linears(self):
+        return (self.a, self.b, self.c)
+
+    def inputs(self, x):
+        return (x, x.flip(-1), -x)
+
+    def forward(self, x):
+        return torch.cat([lin(xi) for lin, xi in zip(self.linears(), self.inputs(x))], dim=-1)
+
+    def abs_products(self, x) -> torch.Tensor:
+        """``|x_i| @ |W_i|ᵀ`` per linear (float64, dequantized weights): what a float32
+        accumulation's rounding error is proportional to."""
+        return torch.cat([xi.double().abs() @ lin.weight.dequantize().double().abs().t()
+                          for lin, xi in zip(self.linears(), self.inputs(x))], dim=-1)
+
+    def bias(self) -> torch.Tensor:
+        """The biases as they are added to the concatenated output (zeros where none)."""
+        parts = [m.bias if m.bias is not None else torch.zeros(m.out_features, device=m.weight.device)
+                 for m in self.linears()]
+        return torch.cat([p.detach().double() for p in parts])
+
+
+@pytest.fixture
+def int8_path(request, monkeypatch):
+    """Which of torchao's int8 matmul forms the model traces to (torchao picks by CPU ISA and device)."""
+    path = request.param
+    if path == "s8s8":
+        monkeypatch.setattr(intmm, "_cpu_is_vnni_supported", lambda: False)
+    elif path == "u8s8":
+        monkeypatch.setattr(intmm, "_cpu_is_amx_tile_supported", lambda: False)
+        monkeypatch.setattr(intmm, "_cpu_is_vnni_supported", lambda: True)
+    elif path == "cuda-form":
+        # torchao's non-CPU path: ``_int_mm(x, w.t()) * x_scale.expand(M, N)`` (what runs on CUDA).
+        monkeypatch.setattr(intmm, "_is_device", lambda *a: False)
+        monkeypatch.setattr(intmm, "safe_int_mm", torch._int_mm)
+    else:
+        raise ValueError(path)
+    return path
+
+
+@pytest.fixture
+def fp8_on_cpu(monkeypatch):
+    """torchao refuses fp8 configs without an sm_89+ GPU; ``torch._scaled_mm`` runs on CPU all the same."""
+    monkeypatch.setattr(quant_api, "_check_hardware_support", lambda *a, **k: None)
+
+
+def int8_model(dtype, **kw):
+    model = Parallel(dtype, **kw)
+    quantize_(model, Int8DynamicActivationInt8WeightConfig())
+    return model
+
+
+def fp8_model(dtype, granularity, **kw):
+    model = Parallel(dtype, **kw)
+    quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=granularity))
+    return model
+
+
+def check_source_bound(out, src, bias, mid_dtype, accumulation=0.0):
+    """``|fused − source| ≤ u_mid·|p| + u_out·(|fused| + |source|) + 4·2⁻²⁴·|p| + accumulation``
+    elementwise, with ``p = fused − bias`` the scaled product: the source's one rounding of the
+    product to ``mid_dtype`` between the scales (``u_mid``: its unit roundoff; for float32
+    sources only float32's own), the final rounding of each side to the output dtype, float32
+    evaluation order of the epilogue, and for fp8 the source's float32 accumulation
+    (``accumulation``; int8 products accumulate exactly on both sides)."""
+    assert out.dtype == src.dtype and out.shape == src.shape
+    o, s = out.double(), src.double()
+    p = (o - bias).abs()
+    u_out = UNIT_ROUNDOFF[out.dtype]
+    bound = UNIT_ROUNDOFF[mid_dtype] * p + u_out * (o.abs() + s.abs()) + 4 * 2.0**-24 * p + accumulation
+    err = (o - s).abs()
+    bad = err > bound
+    assert not bad.any(), (f"{int(bad.sum())} of {bad.numel()} elements beyond the bound; max err "
+                           f"{err.max().item():.3g}, max bound {bound.max().item():.3g}")
+    assert s.abs().max() > 0.1  # the comparison saw real values
+
+
+def assert_all_fused(r, n: int):
+    assert r.fused == n, r.report
+    assert r.count(*SOURCE_MATMULS) == 0
+    assert r.report.unfused == [], r.report
+
+
+# --------------------------------------------------------------------------- FX level: int8
+
+
+@pytest.mark.parametrize("int8_path", ["s8s8", "u8s8", "cuda-form"], indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"])
+def test_int8_dynamic_every_linear_fused(int8_path, dtype):
+    model = int8_model(dtype)
+    x = torch.randn(3, 5, K, dtype=dtype, generator=torch.Generator().manual_seed(1))
+    r = apply_passes(model, x)
+    assert_all_fused(r, 3)
+    forms = {f.form for f in r.report.fused}
+    u8 = "-u8" if int8_path == "u8s8" else ""
+    # bfloat16/float16 sources round between the scales; float32 ones have nothing to round.
+    assert forms == {f"int_mm{u8}-rounded" if dtype != torch.float32 else f"int_mm{u8}"}, forms
+    if dtype != torch.float32:
+        assert all("rounds once where the source rounds" in f.detail for f in r.report.fused)
+    check_source_bound(r.output, r.expected, model.bias(), dtype)
+
+
+@pytest.mark.parametrize("int8_path", ["u8s8"], indirect=True)
+def test_int8_dynamic_2d_input_and_dynamic_batch(int8_path):
+    model = int8_model(torch.bfloat16)
+    x = torch.randn(7, K, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(2))
+    r = apply_passes(model, x, dynamic=True)
+    assert_all_fused(r, 3)
+    check_source_bound(r.output, r.expected, model.bias(), torch.bfloat16)
+
+
+# --------------------------------------------------------------------------- FX level: fp8
+
+
+@pytest.mark.parametrize("dtype,granularity", [(torch.bfloat16, PerRow()), (torch.bfloat16, PerTensor()),
+                                               (torch.float32, PerTensor())], ids=["row-bf16", "tensor-bf16",
+                                                                                   "tensor-f32"])
+def test_fp8_dynamic_every_scaled_mm_replaced(fp8_on_cpu, dtype, granularity):
+    model = fp8_model(dtype, granularity)
+    x = torch.randn(3, 5, K, dtype=dtype, generator=torch.Generator().manual_seed(3))
+    r = apply_passes(model, x)
+    assert r.before.graph.find_nodes(op="call_function", target=aten._scaled_mm.default)
+    assert_all_fused(r, 3)
+    kind = "per-token x per-channel" if isinstance(granularity, PerRow) else "per-tensor x per-tensor"
+    assert {(f.form, f.detail) for f in r.report.fused} == {
+        ("torch-scaled_mm", f"float8_e4m3fn {kind} in {str(dtype).replace('torch.', '')}")}
+    # Both round once from a float32 epilogue; torch accumulates the (exact) fp8 products in float32.
+    check_source_bound(r.output, r.expected, model.bias(), torch.float32, fp8_accumulation(model, x))
+
+
+def fp8_accumulation(model, x) -> torch.Tensor:
+    """K·2⁻²⁴·Σ|a_k·b_k|·s_a·s_b, the error bound of a float32 sum of K products; ``a·s_a`` is
+    within 2⁻³ of ``x`` (e4m3 has 3 mantissa bits), ``b·s_b`` is the dequantized weight."""
+    return x.shape[-1] * 2.0**-24 * (1 + 2.0**-3) * model.abs_products(x)
+
+
+# --------------------------------------------------------------------------- near-misses
+
+M, N = 16, 16  # square, so that a scale on the wrong axis still broadcasts
+
+
+def _int8_inputs(seed=4):
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randint(-128, 128, (M, K), dtype=torch.int8, generator=gen)
+    w = torch.randint(-128, 128, (N, K), dtype=torch.int8, generator=gen)
+    return a, w, torch.rand(M, 1, generator=gen) * 1e-2, torch.rand(N, 1, generator=gen) * 1e-2
+
+
+def _only_unfused_reason(r) -> str:
+    assert r.fused == 0, r.report
+    (unfused,) = r.report.unfused
+    return unfused.reason
+
+
+def test_torchao_cuda_form_fused_exactly_as_written():
+    """The form the near-misses below depart from: torchao's CUDA chain, written out."""
+    def fn(a, w, sa, sw):
+        y = (torch._int_mm(a, w.t()) * sa.expand(M, N)).to(torch.bfloat16)
+        return (y * sw.flatten()).to(torch.bfloat16)
+
+    r = apply_passes(fn, *_int8_inputs())
+    assert r.fused == 1 and r.report.fused[0].form == "int_mm-rounded", r.report
+    check_source_bound(r.output, r.expected, 0.0, torch.bfloat16)
+
+
+@pytest.mark.parametrize("mid", [torch.int32, torch.int16])
+def test_rounding_to_an_integer_between_the_scales_is_not_fused(mid):
+    def fn(a, w, sa, sw):
+        y = (torch._int_mm(a, w.t()) * sa.expand(M, N)).to(mid)
+        return (y * sw.flatten()).to(torch.bfloat16)
+
+    reason = _only_unfused_reason(apply_passes(fn, *_int8_inputs()))
+    assert f"rounded to {mid} between the two scales" in reason, reason
+
+
+def test_rounding_through_fp8_between_the_scales_is_not_fused():
+    def fn(a, w, sa, sw):
+        y = (torch._int_mm(a, w.t()) * sa.expand(M, N)).to(torch.float8_e4m3fn).to(torch.bfloat16)
+        return (y * sw.flatten()).to(torch.bfloat16)
+
+    r = apply_passes(fn, *_int8_inputs())
+    assert r.fused == 0 and r.count(aten._int_mm.default) == 1, r.report
+    (unfused,) = r.report.unfused
+    assert unfused.target == "_int_mm.default", unfused
+
+
+def test_weight_scale_on_the_row_axis_is_not_fused():
+    def fn(a, w, sa, sw):
+        y = (torch._int_mm(a, w.t()) * sa.expand(M, N)).to(torch.bfloat16)
+        return (y * sw.reshape(-1, 1)).to(torch.bfloat16)  # [N, 1]: scales rows, not columns
+
+    reason = _only_unfused_reason(apply_passes(fn, *_int8_inputs()))
+    assert "scales are per-row and per-row" in reason, reason
+
+
+@pytest.mark.parametrize("shift,comp", [(128, 127), (127, 127)])
+def test_u8_form_with_another_offset_is_not_fused(shift, comp):
+    def fn(a, w, sa, sw):
+        wt = w.t()
+        c = torch._int_mm((a.to(torch.int32) + shift).to(torch.uint8), wt)
+        c = c - wt.sum(dim=0, keepdim=True, dtype=torch.int32) * comp
+        return c.to(torch.float32) * sa * sw.flatten()
+
+    reason = _only_unfused_reason(apply_passes(fn, *_int8_inputs()))
+    assert f"shifted by {shift} and corrected by {comp}" in reason, reason
+
+
+def _fp8_inputs(dtype=torch.float8_e4m3fn):
+    gen = torch.Generator().manual_seed(5)
+    a = (torch.randn(M, K, generator=gen) * 3).to(dtype)
+    w = (torch.randn(N, K, generator=gen) * 3).to(dtype)
+    return a, w, torch.rand(M, 1, generator=gen) * 1e-2, torch.rand(N, 1, generator=gen) * 1e-2
+
+
+@pytest.mark.parametrize("case", ["e5m2", "fp8-out"])
+def test_scaled_mm_the_op_cannot_take_is_not_fused(case):
+    dtype = torch.float8_e5m2 if case == "e5m2" else torch.float8_e4m3fn
+    out_dtype = torch.float8_e4m3fn if case == "fp8-out" else torch.bfloat16
+
+    def fn(a, w, sa, sw):
+        return torch._scaled_mm(a, w.t(), sa, sw.t(), out_dtype=out_dtype)
+
+    reason = _only_unfused_reason(apply_passes(fn, *_fp8_inputs(dtype)))
+    expected = "expected float8_e4m3fn" if case == "e5m2" else "out_dtype is torch.float8_e4m3fn"
+    assert expected in reason, reason
+
+
+# --------------------------------------------------------------------------- end to end (CPU)
+
+
+def _compile_and_run(model, x):
+    torch._dynamo.reset()
+    with torch.no_grad(), collecting_report() as report:
+        out, (code, *_) = run_and_get_code(torch.compile(model, backend="quantfuse", options=OPTIONS), x)
+    return out, code, report
+
+
+def _code_fuses(code: str, n: int) -> None:
+    assert code.count("torch.ops.quantfuse.scaled_mm.default(") == n, code
+    for unfused in ("_int_mm", "_scaled_mm(", "extern_kernels.mm(", "extern_kernels.addmm(", "aten.mm"):
+        assert unfused not in code, f"{unfused!r} still in the generated code"
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("int8_path,dtype", [("u8s8", torch.bfloat16), ("s8s8", torch.float32)],
+                         ids=["u8s8-bf16", "s8s8-f32"], indirect=["int8_path"])
+def test_compile_int8_dynamic(int8_path, dtype):
+    model = int8_model(dtype)
+    x = torch.randn(2, 9, K, dtype=dtype, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        ref = model(x)
+    out, code, report = _compile_and_run(model, x)
+    _code_fuses(code, 3)
+    assert report.counts() == {"scaled_mm": 3} and report.unfused == [], report
+    check_source_bound(out, ref, model.bias(), dtype)
+
+
+@pytest.mark.compile
+def test_compile_fp8_rowwise(fp8_on_cpu):
+    model = fp8_model(torch.bfloat16, PerRow())
+    x = torch.randn(2, 9, K, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        ref = model(x)
+    out, code, report = _compile_and_run(model, x)
+    _code_fuses(code, 3)
+    assert report.counts() == {"scaled_mm": 3} and report.unfused == [], report
+    check_source_bound(out, ref, model.bias(), torch.float32, fp8_accumulation(model, x))
+
+
+
+
+def test_torchao_not_imported_by_the_package_or_its_passes():
+    code = ("import importlib, sys, compile_backend\n"
+            "from compile_backend.passes.framework import FAMILIES\n"
+            "for family in FAMILIES: importlib.import_module('compile_backend.passes.' + family)\n"
+            "assert 'torchao' not in sys.modules, 'torchao imported'\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+
+
+# --------------------------------------------------------------------------- GPU: the paths torchao takes there
+
+GPU_K, GPU_WIDTHS = 256, (256, 128, 384)  # sizes the kernels take (multiples of their tiles)
+
+
+def _gpu_compile(model, m, dtype):
+    x = torch.randn(m, GPU_K, dtype=dtype, device="cuda", generator=torch.Generator("cuda").manual_seed(m))
+    with torch.no_grad():
+        ref = model(x)
+    out, code, report = _compile_and_run(model, x)
+    return x, ref, out, code, report
+
+
+@pytest.mark.gpu
+@pytest.mark.compile
+@pytest.mark.parametrize("m", [1, 48, 300])
+@pytest.mark.parametrize("granularity", [PerRow(), PerTensor()], ids=["row", "tensor"])
+def test_gpu_fp8_dynamic(granularity, m):
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("torchao's fp8 configs need sm_89 or later")
+    model = fp8_model(torch.bfloat16, granularity, k=GPU_K, widths=GPU_WIDTHS, device="cuda")
+    x, ref, out, code, report = _gpu_compile(model, m, torch.bfloat16)
+    if torch.cuda.get_device_capability()[0] != 9:
+        # Beyond Hopper's kernels torch._scaled_mm is kept, and the report says why.
+        assert report.counts() == {} and len(report.unfused) == 3, report
+        assert all("torch._scaled_mm is kept" in u.reason for u in report.unfused), report
+        return
+    _code_fuses(code, 3)
+    assert report.counts() == {"scaled_mm": 3} and report.unfused == [], report
+    # torch._scaled_mm accumulates with fast accumulation on Hopper (reduced-precision partial
+    # sums: conftest.check_w8a8 allows 2e-3 of max|ref| for fp8); ours keeps float32 sums.
+    fast_accum = 2e-3 * ref.double().abs().max()
+    check_source_bound(out, ref, model.bias(), torch.float32, fp8_accumulation(model, x) + fast_accum)
+
+
+@pytest.mark.gpu
+@pytest.mark.compile
+@pytest.mark.parametrize("m", [1, 48, 300])
+def test_gpu_int8_dynamic(m):
+    model = int8_model(torch.bfloat16, k=GPU_K, widths=GPU_WIDTHS, device="cuda")
+    x, ref, out, code, report = _gpu_compile(model, m, torch.bfloat16)
+    _code_fuses(code, 3)
+    assert report.counts() == {"scaled_mm": 3} and report.unfused == [], report
+    assert {f.form for f in report.fused} == {"int_mm-rounded"}, report
+    check_source_bound(out, ref, model.bias(), torch.bfloat16)
