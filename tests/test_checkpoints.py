@@ -542,6 +542,21 @@ def test_compressed_tensors_w4a16_act_order_tensor(w4_checkpoints, tmp_path):
         from_pretrained(folder)
 
 
+def test_compressed_tensors_kv_cache_scheme(ct_checkpoints, tmp_path, caplog):
+    """KV-cache scales (FP8 KV-cache recipes) are not loaded, with a warning: the cache stays in the model's dtype."""
+    kv = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False}
+    folder = _edit_config(ct_checkpoints["FP8"], str(tmp_path / "kv"), _set(("kv_cache_scheme",), kv))
+    file = os.path.join(folder, "model.safetensors")
+    t = safetensors_torch.load_file(file)
+    for i in range(2):
+        for s in ("k_scale", "v_scale"):
+            t[f"model.layers.{i}.self_attn.{s}"] = torch.ones(1)
+    safetensors_torch.save_file(t, file)
+    with caplog.at_level(logging.WARNING, logger="quantfuse.checkpoints"):
+        check_loaded(from_pretrained(folder), W8A8Linear)
+    assert any("kv_cache_scheme" in r.getMessage() and "4 KV-cache" in r.getMessage() for r in caplog.records)
+
+
 def test_compressed_tensors_ignore_mismatch(ct_checkpoints, tmp_path):
     """A quantized layer the config leaves out ('ignore') is an error naming its tensor, not a silent float load."""
     folder = _edit_config(ct_checkpoints["W8A8"], str(tmp_path / "bad"),
@@ -601,6 +616,10 @@ def test_bad_arguments(tmp_path):
     folder = write_awq(str(tmp_path / "awq"), shards=1)
     with pytest.raises(ValueError, match=r"dtype torch\.int8"):
         from_pretrained(folder, dtype=torch.int8)
+    plain = str(tmp_path / "plain")
+    float_model().save_pretrained(plain)
+    with pytest.raises(UnsupportedCheckpointError, match="no quantization_config"):
+        from_pretrained(plain)
 
 
 def test_import_leaves_optional_packages_alone():

@@ -44,8 +44,9 @@ def from_pretrained(path, dtype=None, device=None):
     ``model.safetensors.index.json``), or a Hugging Face Hub id (downloaded with
     ``huggingface_hub``).  Formats: compressed-tensors ``int-quantized`` / ``float-quantized``
     (W8A8 int8 and FP8: per-tensor or per-channel weights; dynamic per-token or per-tensor, or
-    static, activations; symmetric or asymmetric int8 activations) and AWQ ``gemm``
-    (``quant_method: awq``, from AutoAWQ or transformers).  ``dtype``: the activation dtype of the
+    static, activations; symmetric or asymmetric int8 activations) and ``pack-quantized`` (4-bit
+    weight-only, as ``AWQLinear``), and AWQ ``gemm`` (``quant_method: awq``, from AutoAWQ or
+    transformers).  ``dtype``: the activation dtype of the
     model (its unquantized weights, the layers' outputs); default the config's ``dtype`` /
     ``torch_dtype``.  ``device``: where the tensors are read to (default CPU).
 
