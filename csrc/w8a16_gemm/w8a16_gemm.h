@@ -38,7 +38,7 @@ struct Params {
 // Geometry (w8a16_gemm_decode.cuh): a warp owns kRowsPerWarp output channels and a contiguous
 // range of K chunks of kChunk elements; the warps of a CTA split K, and on sm_90 so can the
 // CTAs of a thread-block cluster (`splits`) when N is too small to fill the GPU otherwise.
-constexpr int kMaxM = 16;        // two n8 token tiles
+constexpr int kMaxM = 16;        // tokens per slice: two n8 tiles
 constexpr int kRowsPerWarp = 16; // one m16 tile of weight rows
 constexpr int kChunk = 64;       // K elements per warp step: 4 lanes x 16
 constexpr int kMaxWarps = 8;
@@ -49,15 +49,17 @@ struct DecodeConfig {
   int splits = 1;           // CTAs of one cluster along K (1: no cluster)
   int warps = 8;            // warps per CTA, each a K partition
   int chunks_per_part = 1;  // K chunks per (CTA, warp) partition
+  bool l2_hint = true;      // weight loads with the L2::256B prefetch-size hint
 };
 
 // The work split for an N x K weight on a GPU with `sms` SMs: 8 warps per CTA splitting K
 // (4 when K has fewer chunks), and, where clusters exist (sm_90) and the row tiles times the
 // warps fill less than half of the resident warp slots, a cluster of CTAs per row tile splitting
 // K further so that every SM streams.  `splits` / `warps` > 0 force them (tests, benchmarks).
-inline DecodeConfig choose_config(int64_t N, int64_t K, int sms, bool clusters, int splits = -1, int warps = -1) {
+inline DecodeConfig choose_config(int64_t M, int64_t N, int64_t K, int sms, bool clusters, int splits = -1,
+                                  int warps = -1, int l2_hint = -1) {
   const int64_t chunks = (K + kChunk - 1) / kChunk;
-  const int64_t tiles = (N + kRowsPerWarp - 1) / kRowsPerWarp;
+  const int64_t tiles = (N + kRowsPerWarp - 1) / kRowsPerWarp * ((std::max<int64_t>(M, 1) + kMaxM - 1) / kMaxM);
   DecodeConfig c;
   c.warps = static_cast<int>(std::clamp<int64_t>(warps > 0 ? warps : 8, 1, std::min<int64_t>(kMaxWarps, chunks)));
   if (splits > 0) {
@@ -71,15 +73,19 @@ inline DecodeConfig choose_config(int64_t N, int64_t K, int sms, bool clusters, 
   c.splits = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(c.splits, chunks / c.warps)));
   const int64_t parts = int64_t(c.splits) * c.warps;
   c.chunks_per_part = static_cast<int>(std::max<int64_t>(1, (chunks + parts - 1) / parts));
+  if (l2_hint >= 0) c.l2_hint = l2_hint != 0;
   return c;
 }
 
 // Launches the decode kernel: float16 / bfloat16 on tensor cores (mma.sync m16n8k16, weights
 // converted to the activation type exactly), float32 on CUDA cores.  The caller checks the
-// contract: 1 <= M <= kMaxM, K % 16 == 0, x / w starts and row pitches 16-byte aligned.
+// contract: M >= 1 (float16 / bfloat16: slices of kMaxM tokens side by side in the grid;
+// float32: M <= kMaxM), K % 16 == 0, x / w starts and row pitches 16-byte aligned.
 int launch_decode(const Params& p, const DecodeConfig& c, int* cuda_error);
 
-// Prefill epilogue: y = acc * s + bias from a float32 [M, N] accumulator (row pitch N).
+// Prefill: the int8 weight converted to `dtype` (exact; n % 16 == 0, 16-byte aligned), and the
+// epilogue y = acc * s + bias from a float32 [M, N] accumulator (row pitch N).
+int launch_cast(const int8_t* w, void* out, int64_t n, Dt dtype, void* stream, int* cuda_error);
 int launch_epilogue(const float* acc, const Params& p, int* cuda_error);
 
 }  // namespace quantfuse::w8a16

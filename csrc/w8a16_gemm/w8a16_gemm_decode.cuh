@@ -133,6 +133,7 @@ struct DecodeArgs {
   int M, N, K;
   int64_t ldx, ldw, ldy;
   int splits, chunks_per_part;
+  int slices;  // token slices of kMaxM rows (M > kMaxM): CTAs of one row tile, adjacent in the grid
 };
 
 // One batch of register loads: kBatch chunks; per chunk and lane 16 weight bytes of rows g and
@@ -143,7 +144,7 @@ struct Batch {
   uint4 x[kBatch][NT][2];
 };
 
-template <class T, int NT, int kBatch, class Epi>
+template <class T, int NT, int kBatch, bool kL2Hint, class Epi>
 __global__ void __launch_bounds__(kMaxWarps * 32, 2) w8a16_decode_mma_kernel(const DecodeArgs args, const Epi epi) {
   extern __shared__ __align__(16) uint8_t smem[];
   constexpr int kTokens = 8 * NT;
@@ -151,8 +152,12 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 2) w8a16_decode_mma_kernel(con
   const int g = lane >> 2, t = lane & 3;
   const int S = args.splits;
   const int rank = blockIdx.x % S;
-  const int n0 = (blockIdx.x / S) * kRowsPerWarp;
-  const int M = args.M, N = args.N, K = args.K;
+  // Grid order: row tile, then token slice, then cluster rank, so that the slices of one row tile
+  // run side by side and all but the first read its weight rows from L2.
+  const int slice = (blockIdx.x / S) % args.slices;
+  const int n0 = (blockIdx.x / S / args.slices) * kRowsPerWarp;
+  const int m0 = slice * kMaxM;
+  const int M = min(args.M - m0, kMaxM), N = args.N, K = args.K;
 
   const int chunks = (K + kChunk - 1) / kChunk;
   const int c0 = (rank * warps + warp) * args.chunks_per_part;
@@ -164,7 +169,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 2) w8a16_decode_mma_kernel(con
   for (int h = 0; h < 2; ++h) wrow[h] = args.w + int64_t(min(n0 + 8 * h + g, N - 1)) * args.ldw + t * 16;
   const uint8_t* xrow[NT];
 #pragma unroll
-  for (int j = 0; j < NT; ++j) xrow[j] = args.x + (int64_t(min(8 * j + g, M - 1)) * args.ldx + t * 16) * 2;
+  for (int j = 0; j < NT; ++j) xrow[j] = args.x + (int64_t(m0 + min(8 * j + g, M - 1)) * args.ldx + t * 16) * 2;
 
   auto load = [&](Batch<kBatch, NT>& bt, int c) {
 #pragma unroll
@@ -174,7 +179,10 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 2) w8a16_decode_mma_kernel(con
       const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
       const int64_t k0 = int64_t(cc) * kChunk;
 #pragma unroll
-      for (int h = 0; h < 2; ++h) bt.w[u][h] = ok ? ld_stream(wrow[h] + k0) : zero;
+      for (int h = 0; h < 2; ++h) {
+        if constexpr (kL2Hint) bt.w[u][h] = ok ? ld_stream_l2_256(wrow[h] + k0) : zero;
+        else bt.w[u][h] = ok ? ld_stream(wrow[h] + k0) : zero;
+      }
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
         const uint4* px = reinterpret_cast<const uint4*>(xrow[j] + k0 * 2);
@@ -233,7 +241,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 2) w8a16_decode_mma_kernel(con
   constexpr int kOutputs = kTokens * kRowsPerWarp;
   auto finish = [&](int m, int nl, float sum) {
     const int n = n0 + nl;
-    store(static_cast<T*>(args.y) + int64_t(m) * args.ldy + n, epi(n, sum));
+    store(static_cast<T*>(args.y) + int64_t(m0 + m) * args.ldy + n, epi(n, sum));
   };
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -341,6 +349,27 @@ __global__ void w8a16_epilogue_kernel(const float* __restrict__ acc, T* __restri
   }
 }
 
+// ------------------------------------------------------------------------ prefill weight cast
+
+// int8 -> T, 16 weights per thread and step (16-byte loads, evict-first: the weight is read once).
+template <class T>
+__global__ void w8a16_cast_kernel(const int8_t* __restrict__ w, T* __restrict__ out, int64_t n16) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n16; i += int64_t(gridDim.x) * blockDim.x) {
+    const uint4 v = ld_stream(w + 16 * i);
+    T vals[16];
+#pragma unroll
+    for (int e = 0; e < 16; ++e) {
+      const float f = static_cast<float>(static_cast<int8_t>((word(v, e >> 2) >> (8 * (e & 3))) & 0xFF));
+      if constexpr (std::is_same_v<T, float>) vals[e] = f;
+      else if constexpr (std::is_same_v<T, __half>) vals[e] = __float2half_rn(f);
+      else vals[e] = __float2bfloat16_rn(f);
+    }
+    uint4* dst = reinterpret_cast<uint4*>(out + 16 * i);
+#pragma unroll
+    for (int q = 0; q < int(16 * sizeof(T) / 16); ++q) dst[q] = reinterpret_cast<const uint4*>(vals)[q];
+  }
+}
+
 // ------------------------------------------------------------------------ host launch
 
 inline int launch_status(cudaError_t err, int* cuda_error) {
@@ -352,7 +381,7 @@ inline int launch_status(cudaError_t err, int* cuda_error) {
   return kOk;
 }
 
-template <class T, int NT, int kBatch, class Epi>
+template <class T, int NT, int kBatch, bool kL2Hint, class Epi>
 int launch_mma(const Params& p, const DecodeConfig& c, const Epi& epi, int* cuda_error) {
   DecodeArgs args;
   args.x = static_cast<const uint8_t*>(p.x);
@@ -366,12 +395,13 @@ int launch_mma(const Params& p, const DecodeConfig& c, const Epi& epi, int* cuda
   args.ldy = p.ldy;
   args.splits = c.splits;
   args.chunks_per_part = c.chunks_per_part;
-  const int row_blocks = static_cast<int>((p.N + kRowsPerWarp - 1) / kRowsPerWarp);
+  args.slices = static_cast<int>((p.M + kMaxM - 1) / kMaxM);
+  const int row_blocks = static_cast<int>((p.N + kRowsPerWarp - 1) / kRowsPerWarp) * args.slices;
   const int smem = c.warps * warp_smem_bytes<NT>();  // <= 10 KB
   const ClusterLaunch launch(dim3(static_cast<unsigned>(row_blocks) * c.splits, 1, 1), dim3(32 * c.warps, 1, 1),
                              static_cast<size_t>(smem), static_cast<cudaStream_t>(p.stream), c.splits);
-  return launch_status(cudaLaunchKernelEx(&launch.cfg, w8a16_decode_mma_kernel<T, NT, kBatch, Epi>, args, epi),
-                       cuda_error);
+  return launch_status(
+      cudaLaunchKernelEx(&launch.cfg, w8a16_decode_mma_kernel<T, NT, kBatch, kL2Hint, Epi>, args, epi), cuda_error);
 }
 
 template <class T, class S>
@@ -386,8 +416,23 @@ int launch_decode_typed(const Params& p, const DecodeConfig& c, int* cuda_error)
     return launch_status(cudaSuccess, cuda_error);
   } else {
     // Batches of 2 chunks for one token tile, 1 for two, so that both buffers fit 128 registers.
-    return p.M > 8 ? launch_mma<T, 2, 1>(p, c, epi, cuda_error) : launch_mma<T, 1, 2>(p, c, epi, cuda_error);
+    if (c.l2_hint)
+      return p.M > 8 ? launch_mma<T, 2, 1, true>(p, c, epi, cuda_error) : launch_mma<T, 1, 2, true>(p, c, epi, cuda_error);
+    return p.M > 8 ? launch_mma<T, 2, 1, false>(p, c, epi, cuda_error) : launch_mma<T, 1, 2, false>(p, c, epi, cuda_error);
   }
+}
+
+template <class T>
+int launch_cast_typed(const int8_t* w, void* out, int64_t n, void* stream, int* cuda_error) {
+  if (n == 0) return kOk;
+  if (n % 16 != 0 || reinterpret_cast<uintptr_t>(w) % 16 != 0 || reinterpret_cast<uintptr_t>(out) % 16 != 0)
+    return kUnsupported;
+  const int threads = 256;
+  const int64_t n16 = n / 16;
+  const int64_t blocks = std::min<int64_t>((n16 + threads - 1) / threads, 132 * 16);
+  w8a16_cast_kernel<T><<<static_cast<unsigned>(blocks), threads, 0, static_cast<cudaStream_t>(stream)>>>(
+      w, static_cast<T*>(out), n16);
+  return launch_status(cudaSuccess, cuda_error);
 }
 
 template <class T, class S>

@@ -1,10 +1,11 @@
 // quantfuse::w8a16_gemm on CUDA, one dispatcher trip: the operand rules of compile_backend/ops.py
 // (_check_w8a16) mirrored, then the kernel chosen by M and K:
 //
-// * 1 <= M <= kDecodeMaxM and K % 16 == 0: the weight-streaming decode kernel
-//   (w8a16_gemm_decode.cuh: tensor cores for float16 / bfloat16, CUDA cores for float32);
-// * otherwise: w_q converted to x's dtype (exact), cuBLAS with a float32 result, and the
-//   epilogue kernel (scale, bias, one rounding).
+// * K % 16 == 0 and 1 <= M <= kDecodeMaxM (float16 / bfloat16; slices of 16 tokens) or
+//   M <= 16 (float32): the weight-streaming decode kernel (w8a16_gemm_decode.cuh: tensor cores
+//   for float16 / bfloat16, CUDA cores for float32);
+// * otherwise: w_q converted to x's dtype (exact; a cast kernel), cuBLAS with a float32 result,
+//   and the epilogue kernel (scale, bias, one rounding).
 //
 // Operands in another layout than the kernels read (strided or misaligned x, a non-contiguous
 // or misaligned weight, a strided scale or bias) are copied to it first.  Inputs no kernel takes
@@ -25,7 +26,10 @@
 namespace quantfuse {
 namespace {
 
-constexpr int64_t kDecodeMaxM = w8a16::kMaxM;
+// H100 (benchmarks/bench_w8a16.py): the decode kernel's token slices read the weight from DRAM
+// once per row tile, so it stays ahead of the cast + cuBLAS path (5 bytes moved per weight) up to
+// here: 26 vs 34 µs at M = 64 on 4096 x 4096, 84 vs 133 on 14336 x 4096; 52 vs 40 at M = 128.
+constexpr int64_t kDecodeMaxM = 64;
 constexpr int64_t kLimit = int64_t(1) << 31;
 
 bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
@@ -74,8 +78,9 @@ at::Tensor w8a16_gemm_dispatch(const at::Tensor& x, const at::Tensor& w_q, const
   const at::Tensor w_scale = w_scale_in.reshape({-1}).contiguous();
   const std::optional<at::Tensor> bias =
       bias_in.has_value() ? std::optional<at::Tensor>(bias_in->contiguous()) : std::nullopt;
-  if (M <= kDecodeMaxM && K % 16 == 0 && K > 0)
-    return w8a16_decode_cuda(rows16(x), rows16(w_q), w_scale, bias, -1, -1);
+  const int64_t decode_max_m = x.scalar_type() == at::kFloat ? w8a16::kMaxM : kDecodeMaxM;
+  if (M <= decode_max_m && K % 16 == 0 && K > 0)
+    return w8a16_decode_cuda(rows16(x), rows16(w_q), w_scale, bias, -1, -1, -1);
   return w8a16_prefill_cuda(x, w_q, w_scale, bias);
 }
 

@@ -17,6 +17,15 @@ int launch_decode(const Params& p, const DecodeConfig& c, int* cuda_error) {
   return kUnsupported;
 }
 
+int launch_cast(const int8_t* w, void* out, int64_t n, Dt dtype, void* stream, int* cuda_error) {
+  switch (dtype) {
+    case Dt::kF16: return launch_cast_typed<__half>(w, out, n, stream, cuda_error);
+    case Dt::kBF16: return launch_cast_typed<__nv_bfloat16>(w, out, n, stream, cuda_error);
+    case Dt::kF32: return launch_cast_typed<float>(w, out, n, stream, cuda_error);
+  }
+  return kUnsupported;
+}
+
 int launch_epilogue(const float* acc, const Params& p, int* cuda_error) {
   switch (p.dtype) {
     case Dt::kF16:

@@ -19,6 +19,10 @@ namespace {
 
 using w8a16::Dt;
 
+// The decode kernel's token slices serve up to this M when called directly (tests, benchmarks);
+// the dispatch's own threshold is kDecodeMaxM in w8a16_gemm_dispatch.cpp.
+constexpr int64_t kDecodeKernelMaxM = 256;
+
 Dt dtype_of(const at::Tensor& x) {
   switch (x.scalar_type()) {
     case at::kHalf: return Dt::kF16;
@@ -75,13 +79,14 @@ void check_status(int status, int cuda_error, const char* what) {
 }  // namespace
 
 at::Tensor w8a16_decode_cuda(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_scale,
-                             const std::optional<at::Tensor>& bias, int64_t splits, int64_t warps) {
+                             const std::optional<at::Tensor>& bias, int64_t splits, int64_t warps, int64_t l2_hint) {
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor y = at::empty({x.size(0), w_q.size(0)}, x.options());
   const w8a16::Params p = params(x, w_q, w_scale, bias, y);
   const int64_t esize = x.element_size();
-  QF_CHECK(p.M >= 1 && p.M <= w8a16::kMaxM, "quantfuse w8a16 decode: M = %lld; expected 1..%d", (long long)p.M,
-           w8a16::kMaxM);
+  const int64_t max_m = p.dtype == Dt::kF32 ? w8a16::kMaxM : kDecodeKernelMaxM;
+  QF_CHECK(p.M >= 1 && p.M <= max_m, "quantfuse w8a16 decode: M = %lld; expected 1..%lld", (long long)p.M,
+           (long long)max_m);
   QF_CHECK(p.K % 16 == 0 && x.stride(1) == 1 && w_q.stride(1) == 1 && (p.ldx * esize) % 16 == 0 && p.ldw % 16 == 0 &&
                aligned16(p.x) && aligned16(p.w),
            "quantfuse w8a16 decode: K %% 16, unit column strides and 16-byte aligned rows of x and w_q required");
@@ -89,8 +94,8 @@ at::Tensor w8a16_decode_cuda(const at::Tensor& x, const at::Tensor& w_q, const a
   if (p.N == 0) return y;
   const int dev = x.device().index();
   const auto* props = at::cuda::getDeviceProperties(dev);
-  const auto c = w8a16::choose_config(p.N, p.K, sm_count(dev, props->multiProcessorCount), props->major >= 9,
-                                      static_cast<int>(splits), static_cast<int>(warps));
+  const auto c = w8a16::choose_config(p.M, p.N, p.K, sm_count(dev, props->multiProcessorCount), props->major >= 9,
+                                      static_cast<int>(splits), static_cast<int>(warps), static_cast<int>(l2_hint));
   int err = 0;
   check_status(w8a16::launch_decode(p, c, &err), err, "decode");
   return y;
@@ -99,7 +104,19 @@ at::Tensor w8a16_decode_cuda(const at::Tensor& x, const at::Tensor& w_q, const a
 at::Tensor w8a16_prefill_cuda(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_scale,
                               const std::optional<at::Tensor>& bias) {
   const c10::cuda::CUDAGuard guard(x.device());
-  const at::Tensor wt = w_q.to(x.scalar_type()).t();  // int8 values are exact in every float type
+  // int8 values are exact in every float type.  The cast kernel takes a dense, 16-byte aligned
+  // weight of a multiple of 16 elements; anything else goes through torch's cast.
+  at::Tensor w_dt;
+  if (w_q.is_contiguous() && w_q.numel() % 16 == 0 && aligned16(w_q.data_ptr())) {
+    w_dt = at::empty(w_q.sizes(), x.options());
+    int err = 0;
+    check_status(w8a16::launch_cast(static_cast<const int8_t*>(w_q.data_ptr()), w_dt.data_ptr(), w_q.numel(),
+                                    dtype_of(x), at::cuda::getCurrentCUDAStream(x.device().index()).stream(), &err),
+                 err, "weight cast");
+  } else {
+    w_dt = w_q.to(x.scalar_type());
+  }
+  const at::Tensor wt = w_dt.t();
   const at::Tensor acc = x.scalar_type() == at::kFloat ? at::mm(x, wt) : at::mm(x, wt, at::kFloat);
   at::Tensor y = at::empty({x.size(0), w_q.size(0)}, x.options());
   const w8a16::Params p = params(x, w_q, w_scale, bias, y);
@@ -112,7 +129,7 @@ at::Tensor w8a16_prefill_cuda(const at::Tensor& x, const at::Tensor& w_q, const 
 
 TORCH_LIBRARY_FRAGMENT(quantfuse, m) {
   m.def("_w8a16_decode_cuda(Tensor x, Tensor w_q, Tensor w_scale, Tensor? bias=None, int splits=-1, "
-        "int warps=-1) -> Tensor");
+        "int warps=-1, int l2_hint=-1) -> Tensor");
   m.def("_w8a16_prefill_cuda(Tensor x, Tensor w_q, Tensor w_scale, Tensor? bias=None) -> Tensor");
 }
 

@@ -10,11 +10,12 @@
 
 namespace quantfuse {
 
-// The weight-streaming decode kernel: 1 <= M <= 16, K % 16 == 0, 16-byte aligned x and w_q rows;
-// splits / warps > 0 force the work split (tests, benchmarks), else chosen.
+// The weight-streaming decode kernel: K % 16 == 0, 16-byte aligned x and w_q rows, 1 <= M <= 16
+// (float32) or 256 (float16 / bfloat16, in slices of 16 tokens); splits / warps > 0 and
+// l2_hint >= 0 force the work split and the weight loads' L2 hint (tests, benchmarks).
 at::Tensor w8a16_decode_cuda(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_scale,
-                             const std::optional<at::Tensor>& bias, int64_t splits, int64_t warps);
-// Any M: w_q converted to x's dtype (exact), cuBLAS with a float32 result, then the epilogue
+                             const std::optional<at::Tensor>& bias, int64_t splits, int64_t warps, int64_t l2_hint);
+// Any M: w_q converted to x's dtype (exact; the cast kernel), cuBLAS with a float32 result, then the epilogue
 // kernel (scale, bias, one rounding).
 at::Tensor w8a16_prefill_cuda(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_scale,
                               const std::optional<at::Tensor>& bias);
