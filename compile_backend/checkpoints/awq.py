@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..quantize import AWQLinear
-from .common import LayerPlan, UnsupportedCheckpointError, layer_tensors, unsupported
+from .common import LayerPlan, UnsupportedCheckpointError, unsupported
 
 LAYER_TENSORS = {"qweight", "qzeros", "scales", "bias", "g_idx"}
 
@@ -46,8 +46,7 @@ class AWQFormat:
     def skipped_keys(self, keys) -> set[str]:
         return set()
 
-    def plan(self, name: str, linear: nn.Linear, keys, dtype: torch.dtype) -> LayerPlan | None:
-        tensors = layer_tensors(name, keys)
+    def plan(self, name: str, linear: nn.Linear, tensors: dict[str, str], dtype: torch.dtype) -> LayerPlan | None:
         if "qweight" not in tensors:
             return None
         for suffix in sorted(set(tensors) - LAYER_TENSORS):

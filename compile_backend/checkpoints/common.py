@@ -22,6 +22,9 @@ def unsupported(where: str, key: str, value, scheme: str):
 class LayerPlan:
     """How one linear layer of the model is loaded from the checkpoint.
 
+    A format's ``plan(name, linear, tensors, dtype)`` returns one for each linear it quantizes
+    (``tensors``: that module's checkpoint tensors, ``by_module``'s value), None for the others.
+
     ``placeholder`` (on the meta device) takes the linear's place in the model while the
     tensors are read; ``load`` gets this layer's tensors (by suffix: ``"weight"``,
     ``"weight_scale"``, ...) once all of ``keys`` have been read and returns the real module.
@@ -34,10 +37,14 @@ class LayerPlan:
     load: Callable[[dict[str, torch.Tensor]], nn.Module]
 
 
-def layer_tensors(name: str, keys) -> dict[str, str]:
-    """suffix -> full key of the checkpoint tensors that belong to module ``name`` itself."""
-    prefix = name + "."
-    return {k[len(prefix):]: k for k in keys if k.startswith(prefix) and "." not in k[len(prefix):]}
+def by_module(keys) -> dict[str, dict[str, str]]:
+    """module name -> {suffix: full key} of the checkpoint tensors that belong to it directly
+    (``"model.layers.0.mlp.up_proj"`` -> ``{"weight": ..., "weight_scale": ...}``)."""
+    out: dict[str, dict[str, str]] = {}
+    for key in keys:
+        owner, _, suffix = key.rpartition(".")
+        out.setdefault(owner, {})[suffix] = key
+    return out
 
 
 def fill_buffers(module: nn.Module, name: str, tensors: dict[str, torch.Tensor]) -> nn.Module:

@@ -28,7 +28,7 @@ from torch import nn
 
 from ..quantize import W8A8Linear
 from . import pack_quantized
-from .common import LayerPlan, UnsupportedCheckpointError, check_tensor, fill_buffers, layer_tensors, unsupported
+from .common import LayerPlan, UnsupportedCheckpointError, check_tensor, fill_buffers, unsupported
 
 log = logging.getLogger("quantfuse.checkpoints")
 
@@ -178,8 +178,7 @@ class CompressedTensorsFormat:
                     "(%d KV-cache scale tensors not loaded)", len(skipped))
         return skipped
 
-    def plan(self, name: str, linear: nn.Linear, keys, dtype: torch.dtype) -> LayerPlan | None:
-        tensors = layer_tensors(name, keys)
+    def plan(self, name: str, linear: nn.Linear, tensors: dict[str, str], dtype: torch.dtype) -> LayerPlan | None:
         g = self._group_of(name, linear)
         if g is None:
             if "weight_scale" in tensors:

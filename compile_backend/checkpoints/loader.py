@@ -12,7 +12,7 @@ import torch
 from . import files
 from . import model as skeleton_ops
 from .awq import AWQFormat
-from .common import UnsupportedCheckpointError, parse_dtype
+from .common import UnsupportedCheckpointError, by_module, parse_dtype
 from .compressed_tensors import CompressedTensorsFormat
 
 log = logging.getLogger("quantfuse.checkpoints")
@@ -80,9 +80,9 @@ def from_pretrained(path, dtype=None, device=None):
     shard_keys = files.shards(folder)
     keys = {k for ks in shard_keys.values() for k in ks}
     skipped = fmt.skipped_keys(keys)
-    plans, owner = {}, {}
+    plans, owner, modules = {}, {}, by_module(keys)
     for name, linear in skeleton_ops.linears(model):
-        plan = fmt.plan(name, linear, keys, dtype)
+        plan = fmt.plan(name, linear, modules.get(name, {}), dtype)
         if plan is not None:
             plans[name] = plan
             owner.update({k: plan for k in plan.keys})
