@@ -15,7 +15,7 @@ class UnsupportedCheckpointError(ValueError):
 
 def unsupported(where: str, key: str, value, scheme: str):
     """Raise for config key ``where.key`` set to ``value``, which asks for ``scheme``."""
-    raise UnsupportedCheckpointError(f"{where}.{key} = {value!r}: {scheme} is not supported by quantfuse")
+    raise UnsupportedCheckpointError(f"{where}.{key} = {value!r}: {scheme} is not supported by quantfuse's loader")
 
 
 @dataclass

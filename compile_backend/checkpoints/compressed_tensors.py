@@ -119,6 +119,7 @@ class CompressedTensorsFormat:
         """W8A8Linear's arguments for group ``g``, or UnsupportedCheckpointError naming the config key."""
         if g.name in self._schemes:
             return self._schemes[g.name]
+
         def no(key, value, scheme):
             unsupported(f"quantization_config.config_groups.{g.name}", key, value, scheme)
 
@@ -142,7 +143,7 @@ class CompressedTensorsFormat:
         if w.get("actorder"):
             no("weights.actorder", w.get("actorder"), "activation ordering (act-order)")
         if not a:
-            no("input_activations", a, "weight-only 8-bit quantization (W8A16: no quantfuse module)")
+            no("input_activations", a, "8-bit weight-only quantization (W8A16)")
         if a.get("num_bits") != 8:
             no("input_activations.num_bits", a.get("num_bits"),
                         f"{a.get('num_bits')}-bit activations (only 8-bit)")
