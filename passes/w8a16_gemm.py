@@ -10,7 +10,8 @@ custom passes:
         y = mm(x, w_q.t().to(dt)) * s          # s: [N] / [1, N] / 1 element, in dt or float32
         [y = y.view(*lead, N)] [+ bias]
 
-    with the cast and the transpose in either order, the product in either operand order;
+    with the cast and the transpose in either order, the product in either operand order, and
+    the view also before the product (``F.linear(x3d, w_q.to(dt)) * s``);
 4b. dequantize-then-matmul (``F.linear(x, w_q.to(dt) * s[:, None], b)``, ``x @ (...).t()``)::
 
         W = w_q.to(dt) * s                     # s: [N, 1] / 1 element; either operand order
@@ -112,8 +113,10 @@ def patterns():
     x, s = KeywordArg("x"), KeywordArg("s")
     for wt in _weight_t(scaled=False):
         mm = CallFunction(aten.mm.default, x, wt)
-        yield "scale-after-mm", CallFunction(MUL, mm, s)
-        yield "scale-after-mm", CallFunction(MUL, s, mm)
+        viewed = CallFunction(VIEWS, mm, KeywordArg("out_shape"))
+        for y in (mm, viewed):
+            yield "scale-after-mm", CallFunction(MUL, y, s)
+            yield "scale-after-mm", CallFunction(MUL, s, y)
     for wt in _weight_t(scaled=True):
         yield "dequant-mm", CallFunction(aten.mm.default, x, wt)
         yield "dequant-addmm", CallFunction(aten.addmm.default, KeywordArg("bias"), x, wt)
@@ -166,13 +169,23 @@ def plan(match: Match, *, form: str) -> Plan:
     if bias is not None:
         require(bias_ok(val(bias), N, dt),
                 f"addmm input of shape {shape_str(val(bias))} is not a per-channel bias in {dt}")
+    # A view between the matmul and the scale (3-D activations): re-applied to the op's result.
+    shape = list(kw["out_shape"]) if "out_shape" in kw else None
+    if shape is not None:
+        viewed = val(next(n for n in match.nodes if n.target in VIEWS))
+        require(known(viewed.shape[-1] == N), f"the view to {shape_str(viewed)} does not keep the N = {N} columns")
+    syms = {f"size{i}": d for i, d in enumerate(shape or ()) if isinstance(d, torch.fx.Node)}
 
-    def build(x, w, s, bias=None):
-        return torch.ops.quantfuse.w8a16_gemm(x, w, s.reshape(-1), as_bias_vector(bias))
+    def build(x, w, s, bias=None, **sizes):
+        y = torch.ops.quantfuse.w8a16_gemm(x, w, s.reshape(-1), as_bias_vector(bias))
+        if shape is None:
+            return y
+        return y.reshape([sizes[f"size{i}"] if isinstance(d, torch.fx.Node) else d for i, d in enumerate(shape)])
 
     inputs = {"x": kw["x"], "w": kw["w"], "s": kw["s"]}
     if bias is not None:
         inputs["bias"] = bias
+    inputs.update(syms)
     detail = f"{kind} K={K} N={N} {str(dt).removeprefix('torch.')}"
     return Plan(inputs, build, detail, dt)
 
