@@ -39,16 +39,21 @@ LINEARS = 14  # q, k, v, o, gate, up, down per layer; lm_head stays float
 VOCAB = 64
 
 
-def llama_config(tie=False, hidden=128, intermediate=256):
+def llama_config(tie=False, hidden=128, intermediate=256, bias=False):
     return transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tie,
-        initializer_range=0.1, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+        initializer_range=0.1, bos_token_id=None, eos_token_id=None, pad_token_id=0, attention_bias=bias, mlp_bias=bias)
 
 
 def float_model(tie=False, seed=0, **sizes):
     torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(llama_config(tie, **sizes)).eval()
+    model = transformers.LlamaForCausalLM(llama_config(tie, **sizes)).eval()
+    with torch.no_grad():  # HF initialises biases to zero: a dropped bias would go unnoticed
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear) and m.bias is not None:
+                m.bias.normal_(0, 0.1)
+    return model
 
 
 def tokens(seed):
@@ -136,6 +141,8 @@ def write_awq(folder, group_size=32, style="autoawq", tie=False, shards=2, seed=
         if isinstance(m, torch.nn.Linear) and name != "lm_head":
             qweight, qzeros, scales = quantize_weight_awq(m.weight, group_size, torch.float16)
             tensors.update({f"{name}.qweight": qweight, f"{name}.qzeros": qzeros, f"{name}.scales": scales})
+            if m.bias is not None:
+                tensors[f"{name}.bias"] = m.bias.detach().to(torch.float16)
     quantized = {k.rpartition(".")[0] for k in tensors}
     for key, t in model.state_dict().items():
         if key.rpartition(".")[0] not in quantized and not (tie and key == "lm_head.weight"):
@@ -290,8 +297,9 @@ CT_CASES = {
 def ct_checkpoints(tmp_path_factory):
     presets = _presets()
     root = tmp_path_factory.mktemp("ct")
-    return {name: write_compressed_tensors(str(root / name), {"group_0": (["Linear"], presets[name])})
-            for name in CT_CASES}
+    # FP8_DYNAMIC with biases on every linear (as Qwen2's q/k/v have).
+    return {name: write_compressed_tensors(str(root / name), {"group_0": (["Linear"], presets[name])},
+                                           bias=name == "FP8_DYNAMIC") for name in CT_CASES}
 
 
 @pytest.mark.parametrize("case", sorted(CT_CASES))
@@ -303,6 +311,7 @@ def test_compressed_tensors_loads(ct_checkpoints, case):
     assert qcfg["format"] == ("int-quantized" if flags["weight_dtype"] == torch.int8 else "float-quantized")
     model = from_pretrained(folder)
     check_loaded(model, W8A8Linear, **flags)
+    assert all((m.bias is not None) == (case == "FP8_DYNAMIC") for m in quantized_modules(model).values())
     # Each layer holds exactly the stored tensors (scales as float32, zero points as int32).
     t = stored(folder)
     for name, m in quantized_modules(model).items():
@@ -393,12 +402,15 @@ AWQ_BOUND = 1e-2
 
 @pytest.mark.parametrize("style", ["autoawq", "transformers"])
 def test_awq_loads(tmp_path, style, caplog):
-    folder = write_awq(str(tmp_path / style), style=style, shards=3 if style == "autoawq" else 1)
+    # transformers' style with biases on every linear.
+    folder = write_awq(str(tmp_path / style), style=style, shards=3 if style == "autoawq" else 1,
+                       bias=style == "transformers")
     with caplog.at_level(logging.INFO, logger="quantfuse.checkpoints"):
         model = from_pretrained(folder)
     shard_lines = [r for r in caplog.records if "loading shard" in r.getMessage()]
     assert len(shard_lines) == (3 if style == "autoawq" else 1)
     check_loaded(model, AWQLinear, group_size=32)
+    assert all((m.bias is not None) == (style == "transformers") for m in quantized_modules(model).values())
     assert model.lm_head.weight.dtype == torch.float16
     ids = tokens(seed=1)
     with torch.no_grad():
