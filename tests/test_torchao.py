@@ -386,3 +386,26 @@ def test_gpu_int8_dynamic(m):
     assert report.counts() == {"scaled_mm": 3} and report.unfused == [], report
     assert {f.form for f in report.fused} == {"int_mm-rounded"}, report
     check_source_bound(out, ref, model.bias(), torch.bfloat16)
+
+
+# --------------------------------------------------------------------------- a Hugging Face Llama
+
+
+@pytest.mark.parametrize("int8_path", ["u8s8"], indirect=True)
+def test_hf_llama_int8_dynamic_every_linear_fused(int8_path):
+    """A 2-layer HF Llama in bfloat16, quantized with torchao: all 15 linears (7 per layer and
+    lm_head) fused.  Logits within 5% of their largest magnitude of torchao's own: every layer is
+    within the per-linear bound checked above, and a difference of one bfloat16 rounding may move
+    the next layer's int8 activations by one quantization step; a wrong fusion (a scale on the
+    wrong axis, a lost zero-point or offset) puts the logits off by their own size."""
+    pytest.importorskip("transformers")
+    from test_e2e_hf import tiny_llama
+
+    model = tiny_llama(dtype=torch.bfloat16)
+    quantize_(model, Int8DynamicActivationInt8WeightConfig())
+    ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(2))
+    r = apply_passes(lambda i: model(i).logits, ids)
+    assert len(r.report.fused) == 15 and r.report.unfused == [], r.report
+    assert r.count(*SOURCE_MATMULS[:2]) == 0  # no _int_mm / _scaled_mm left
+    err = (r.output.float() - r.expected.float()).abs().max()
+    assert err <= 0.05 * r.expected.float().abs().max(), err
