@@ -111,7 +111,11 @@ def _leaf_shape(n: Node, dtype=None):
 def _assign_roles(sub: Subgraph, K: int, N: int, dtype) -> list[_Roles] | str:
     """Every way of reading the leaves as (qweight, qzeros, scales) of a [K, N] weight, or why there is none."""
     C = N // AWQ_PACK
-    leaves = [*sub.inputs, *sub.constants]
+    # One leaf per tensor: get_attr nodes reading the same attribute are one constant.
+    targets = {}
+    for n in sub.constants:
+        targets.setdefault(n.target, n)
+    leaves = [*sub.inputs, *targets.values()]
     ints = [n for n in leaves if (s := _leaf_shape(n, torch.int32)) is not None and len(s) == 2]
     qweights = [n for n in ints if _leaf_shape(n) == (K, C)]
     if not qweights:
@@ -311,6 +315,21 @@ def _form(sub: Subgraph) -> str:
     return "awq_shift_table"
 
 
+def _check_private(sub: Subgraph, mm: Node, roles: _Roles) -> str | None:
+    """The nodes computing the weight from the roles are used only by each other and the matmul (or a
+    joint graph's backward), and gather by constant indices only."""
+    leaves = list(roles.by_name().values())
+    lookup = sub.data_dependent_gather(leaves)
+    if lookup is not None:
+        return f"{lookup.name} gathers by indices computed from the weight's inputs (a lookup, not a reorder)"
+    inside = set(sub.nodes) | {mm}
+    for n in sub.depending_on(leaves):
+        for user in n.users:
+            if user not in inside and not is_backward(user):
+                return f"the dequantized weight ({n.name}) is also used by {user.name} outside the matmul"
+    return None
+
+
 def _analyze(mm: Node, x: Node, w: Node) -> _Fusion | str | None:
     """The fusion for ``mm(x, w)``, why it must not be fused, or None when ``w`` is no AWQ candidate."""
     if not isinstance(w, Node):
@@ -337,16 +356,6 @@ def _analyze(mm: Node, x: Node, w: Node) -> _Fusion | str | None:
     if N % AWQ_PACK:
         return f"N = {N} is not a multiple of {AWQ_PACK}"
 
-    inside = set(sub.nodes) | {mm}
-    for n in sub.dependent:
-        for user in n.users:
-            if user not in inside and not is_backward(user):
-                return f"the dequantized weight ({n.name}) is also used by {user.name} outside the matmul"
-
-    lookup = sub.data_dependent_gather()
-    if lookup is not None:
-        return f"{lookup.name} gathers by indices computed from the weight's inputs (a lookup, not a reorder)"
-
     options = _assign_roles(sub, K, N, dtype)
     if isinstance(options, str):
         return options
@@ -357,6 +366,9 @@ def _analyze(mm: Node, x: Node, w: Node) -> _Fusion | str | None:
             reasons.append(f"the weight also reads {', '.join(_describe(n) for n in extra)}, "
                            "not only qweight, qzeros and scales")
             continue
+        why = _check_private(sub, mm, roles)
+        if why is not None:
+            return why
         groups = _leaf_shape(roles.qzeros)[0]
         why = _prove(sub, roles, K, N, dtype) or _check_real_values(sub, roles, K, groups)
         if why is None:

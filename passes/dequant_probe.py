@@ -93,28 +93,39 @@ class Subgraph:
     root: Node
     nodes: list[Node]  # interior nodes (ops of ALLOWED), producers before users
     inputs: list[Node]  # leaves that are not constants: placeholders, ops outside ALLOWED
-    constants: dict[Node, torch.Tensor] = field(default_factory=dict)  # get_attr leaves with real values
+    # get_attr leaves with real values; several nodes may read one attribute (the same target)
+    constants: dict[Node, torch.Tensor] = field(default_factory=dict)
+
+    def depending_on(self, leaves) -> set[Node]:
+        """Interior nodes whose value depends on one of ``leaves`` (a get_attr leaf stands for every
+        node reading the same attribute)."""
+        targets = {n.target for n in leaves if n.op == "get_attr"}
+        dep: set[Node] = set(leaves) | {n for n in self.constants if n.target in targets}
+        interior = set()
+        for n in self.nodes:
+            if any(a in dep for a in n.all_input_nodes):
+                dep.add(n)
+                interior.add(n)
+        return interior
 
     @functools.cached_property
     def dependent(self) -> set[Node]:
         """Interior nodes whose value depends on an input (the others are constants)."""
-        dep: set[Node] = set(self.inputs)
-        for n in self.nodes:
-            if any(a in dep for a in n.all_input_nodes):
-                dep.add(n)
-        return dep - set(self.inputs)
+        return self.depending_on(self.inputs)
 
     def targets(self) -> set:
         return {n.target for n in self.nodes}
 
-    def data_dependent_gather(self) -> Node | None:
-        """A gather whose indices depend on an input (a lookup by value, not a fixed data movement)."""
-        inputs = set(self.inputs)
+    def data_dependent_gather(self, leaves=None) -> Node | None:
+        """A gather whose indices depend on one of ``leaves`` (default: the inputs): a lookup by value,
+        not a fixed data movement."""
+        leaves = set(self.inputs if leaves is None else leaves)
+        dep = self.depending_on(leaves) | leaves
         for n in self.nodes:
             if n.target in GATHERS:
                 used: list[Node] = []
                 torch.fx.node.map_arg(n.args[1] if n.target is aten.index.Tensor else n.args[2], used.append)
-                if any(a in self.dependent or a in inputs for a in used):
+                if any(a in dep for a in used):
                     return n
         return None
 
@@ -284,10 +295,12 @@ def evaluate(sub: Subgraph, feeds: Mapping[Node, torch.Tensor], sizes: SizeMap) 
     env: dict[Node, torch.Tensor] = {}
     for n in sub.inputs:
         env[n] = feeds[n]
+    # A constant fed as a role is fed wherever the graph reads it (get_attr nodes of one target).
+    fed = {n.target: v for n, v in feeds.items() if n.op == "get_attr"}
     for n, c in sub.constants.items():
-        if n not in feeds and sizes.shape(c.shape) != tuple(c.shape):
+        if n.target not in fed and sizes.shape(c.shape) != tuple(c.shape):
             raise ProbeMismatch(f"the constant {n.name} has a size of the weight")
-        env[n] = feeds.get(n, c)
+        env[n] = fed.get(n.target, c)
 
     def arg(a):
         return env[a] if isinstance(a, Node) else _cpu(a)
@@ -363,11 +376,13 @@ def signature(sub: Subgraph, roles: Mapping[str, Node]) -> tuple:
     shapes, which leaf plays which role, and the values of its other constants.  Subgraphs with equal
     signatures compute equal results on equal probes (a model's layers of one shape share one)."""
     role_of = {n: r for r, n in roles.items()}
+    role_of_target = {n.target: r for n, r in role_of.items() if n.op == "get_attr"}
     index: dict[Node, tuple] = {}
     for i, n in enumerate(sub.inputs):
         index[n] = ("input", role_of.get(n, i))
     for n, c in sub.constants.items():
-        index[n] = ("input", role_of[n]) if n in role_of else ("constant", c.dtype, tuple(c.shape), _content(c))
+        role = role_of_target.get(n.target)
+        index[n] = ("input", role) if role else ("constant", c.dtype, tuple(c.shape), _content(c))
     parts = []
     for i, n in enumerate(sub.nodes):
         args = torch.fx.node.map_aggregate((n.args, dict(n.kwargs)), lambda a: index[a] if isinstance(a, Node) else a)

@@ -564,12 +564,11 @@ def test_autoawq_zeros_left_in_packing_order():
 def test_lookup_by_value_is_not_a_reorder():
     """A gather whose indices are the unpacked nibbles (a table lookup) is outside what the probe decides."""
     mod = awq_params(64, torch.float16, bias=False)
-    table = torch.arange(16, dtype=torch.int32)
 
     def f(x):
         from compile_backend.ops import awq_unpack
 
-        w = table[awq_unpack(mod.qweight)]
+        w = torch.arange(16, dtype=torch.int32)[awq_unpack(mod.qweight)]
         z = awq_unpack(mod.qzeros).repeat_interleave(64, dim=0)
         return x @ ((w - z).to(torch.float16) * mod.scales.repeat_interleave(64, dim=0))
 
