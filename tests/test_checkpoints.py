@@ -625,6 +625,8 @@ def test_missing_tensor(tmp_path):
 def test_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match="no config.json"):
         from_pretrained(str(tmp_path))
+    with pytest.raises(ValueError, match="no folder"):
+        from_pretrained(str(tmp_path / "nowhere"))
     folder = write_awq(str(tmp_path / "awq"), shards=1)
     with pytest.raises(ValueError, match=r"dtype torch\.int8"):
         from_pretrained(folder, dtype=torch.int8)

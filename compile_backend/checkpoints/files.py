@@ -23,6 +23,9 @@ def resolve(path) -> str:
         return path
     if os.path.exists(path):
         raise ValueError(f"from_pretrained: path {path!r} is a file; expected a checkpoint folder or a Hub id")
+    if os.path.isabs(path) or path.startswith(".") or path.count("/") != 1:
+        # A Hub id is "owner/name"; anything else was meant as a local folder.
+        raise ValueError(f"from_pretrained: no folder {path!r} (and it is not a Hub id 'owner/name')")
     try:
         from huggingface_hub import snapshot_download
     except ImportError:
