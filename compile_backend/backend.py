@@ -10,6 +10,10 @@ changed).  Options:
 ``families`` (a family name or a sequence of them, default all)
     Pattern families to enable: ``scaled_mm``, ``scaled_mm_azp``, ``awq_gemm``,
     ``w8a16_gemm``.
+``horizontal`` (bool, default True)
+    Merge fused ops of one family that read the same activation (q/k/v, gate/up
+    projections) into one op over their weights concatenated along N, made once
+    per weight (``passes/horizontal.py``).  False keeps one op per linear.
 ``fallback`` (bool, default True)
     If compiling with our passes fails, compile with plain Inductor; if that
     fails too, run the graph in eager.  Each such fallback logs a WARNING on
@@ -40,7 +44,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 log = logging.getLogger("quantfuse")
 
-OUR_OPTIONS = ("passes", "families", "fallback")
+OUR_OPTIONS = ("passes", "families", "horizontal", "fallback")
 # torch._dynamo.utils.counters[COUNTERS]: "fallback_inductor" (compiled without our passes) and
 # "fallback_eager" (ran in eager), one per failed compile, next to Dynamo's own counters.
 COUNTERS = "quantfuse"
@@ -99,7 +103,7 @@ def install_passes(config_patches: dict, passes: dict) -> dict:
 
 def _our_option(key: str, value):
     """``value`` of one of OUR_OPTIONS, checked (``families`` normalised to a tuple)."""
-    if key in ("passes", "fallback"):
+    if key in ("passes", "horizontal", "fallback"):
         if not isinstance(value, bool):
             raise ValueError(f"quantfuse: option {key!r} is {value!r}; expected True or False")
         return value
@@ -145,7 +149,7 @@ def _split_options(options: dict | None, mode: str | None) -> tuple[dict, dict]:
     """(our options, Inductor config patches); raises ValueError naming an unknown or
     mistyped option, before anything is compiled (a typo must not look like a failed
     compile and run the model without fusion)."""
-    ours: dict[str, Any] = {"passes": True, "fallback": True}
+    ours: dict[str, Any] = {"passes": True, "horizontal": True, "fallback": True}
     inductor: dict[str, Any] = {}
     if mode and mode != "default":
         from torch._inductor import list_mode_options

@@ -41,6 +41,7 @@ import logging
 import torch
 
 from . import kernels
+from .tensor_cache import TensorCache
 
 log = logging.getLogger("quantfuse.ops")
 
@@ -71,6 +72,7 @@ SCHEMAS = {
     "awq_dequantize": "awq_dequantize(Tensor qweight, Tensor scales, Tensor qzeros, "
     "int group_size) -> Tensor",
     "w8a16_gemm": "w8a16_gemm(Tensor x, Tensor w_q, Tensor w_scale, Tensor? bias=None) -> Tensor",
+    "concat_weights": "concat_weights(Tensor[] parts, int dim, int[]? sizes=None) -> Tensor",
 }
 
 
@@ -192,6 +194,36 @@ def _check_w8a16(op, x, w_q, w_scale, bias):
     return M, K, N
 
 
+def _check_concat(op, parts, dim, sizes):
+    """The shape of ``concat_weights(parts, dim, sizes)``: ``torch.cat(parts, dim)``, or with
+    ``sizes`` (one extent per part, ``dim`` 0) the 1-D concatenation of each part flattened and,
+    when it has one element, broadcast to its extent (per-tensor scales made per-channel)."""
+    if not isinstance(parts, (list, tuple)) or not parts:
+        _fail(op, "parts", parts, "a non-empty list of tensors")
+    _check_devices(op, "parts[0]", {f"parts[{i}]": p for i, p in enumerate(parts)})
+    first = parts[0]
+    for i, p in enumerate(parts):
+        if p.dtype != first.dtype:
+            _fail(op, f"parts[{i}]", p, f"the dtype of 'parts[0]' ({first.dtype})")
+    if sizes is not None:
+        if dim != 0:
+            _fail(op, "dim", dim, "0 when 'sizes' is given (the result is 1-D)")
+        if len(sizes) != len(parts):
+            _fail(op, "sizes", sizes, f"{len(parts)} extents, one per part")
+        for i, (p, n) in enumerate(zip(parts, sizes)):
+            if n < 0 or p.numel() not in (1, n):
+                _fail(op, f"parts[{i}]", p, f"1 element or sizes[{i}] = {n} elements")
+        return (sum(sizes),)
+    ndim = first.dim()
+    if ndim == 0 or not -ndim <= dim < ndim:
+        _fail(op, "dim", dim, f"a dimension of 'parts[0]' (shape {tuple(first.shape)})")
+    d = dim % ndim
+    for i, p in enumerate(parts):
+        if p.dim() != ndim or any(p.shape[k] != first.shape[k] for k in range(ndim) if k != d):
+            _fail(op, f"parts[{i}]", p, f"the shape of 'parts[0]' {tuple(first.shape)} except in dim {d}")
+    return tuple(sum(p.shape[d] for p in parts) if k == d else first.shape[k] for k in range(ndim))
+
+
 # --------------------------------------------------------------------------- reference math
 
 
@@ -311,6 +343,13 @@ def w8a16_gemm_reference(x, w_q, w_scale, bias=None):
     return out.to(x.dtype)
 
 
+def concat_weights_reference(parts, dim, sizes=None):
+    _check_concat("concat_weights", parts, dim, sizes)
+    if sizes is not None:
+        parts = [p.reshape(-1).expand(n) for p, n in zip(parts, sizes)]
+    return torch.cat(list(parts), dim)
+
+
 # --------------------------------------------------------------------------- fakes
 
 
@@ -340,6 +379,10 @@ def _w8a16_gemm_fake(x, w_q, w_scale, bias=None):
     return x.new_empty((M, N))
 
 
+def _concat_weights_fake(parts, dim, sizes=None):
+    return parts[0].new_empty(_check_concat("concat_weights", parts, dim, sizes))
+
+
 # --------------------------------------------------------------------------- registration
 
 REFERENCES = {
@@ -348,6 +391,7 @@ REFERENCES = {
     "awq_gemm": awq_gemm_reference,
     "awq_dequantize": awq_dequantize_reference,
     "w8a16_gemm": w8a16_gemm_reference,
+    "concat_weights": concat_weights_reference,
 }
 FAKES = {
     "scaled_mm": _scaled_mm_fake,
@@ -355,6 +399,7 @@ FAKES = {
     "awq_gemm": _awq_gemm_fake,
     "awq_dequantize": _awq_dequantize_fake,
     "w8a16_gemm": _w8a16_gemm_fake,
+    "concat_weights": _concat_weights_fake,
 }
 
 
@@ -371,6 +416,7 @@ REFERENCE_SCHEMAS = {
     "awq_dequantize": "_awq_dequantize_reference(Tensor qweight, Tensor scales, Tensor qzeros, "
     "int group_size, str reason) -> Tensor",
     "w8a16_gemm": "_w8a16_gemm_reference(Tensor x, Tensor w_q, Tensor w_scale, Tensor? bias, str reason) -> Tensor",
+    "concat_weights": "_concat_weights_reference(Tensor[] parts, int dim, int[]? sizes, str reason) -> Tensor",
 }
 
 
@@ -445,6 +491,23 @@ for _name, _schema in SCHEMAS.items():
     torch.library.register_fake(f"{NAMESPACE}::{_name}", FAKES[_name], lib=_lib)
     _lib.define(REFERENCE_SCHEMAS[_name])
     _lib.impl(f"_{_name}_reference", _logged_reference(_name), "CompositeExplicitAutograd")
+
+# concat_weights returns values derived from weights, made once per set of parts (the CUDA
+# implementation caches them in C++, csrc/common/concat_weights.cpp).  The cached tensor itself
+# is returned, not a copy: treat it as read-only.
+_concat_cache = TensorCache()
+
+
+def _concat_weights_cached(parts, dim, sizes=None):
+    if (torch.compiler.is_compiling()
+            or any(p.requires_grad or p.is_inference() or getattr(p, "_is_fake", False) for p in parts)):
+        return concat_weights_reference(parts, dim, sizes)
+    key = (dim, None if sizes is None else tuple(sizes))
+    return _concat_cache.get(list(parts), lambda: concat_weights_reference(parts, dim, sizes), extra=key)
+
+
+_lib.impl("concat_weights", _concat_weights_cached, "CPU")
+_BOOTSTRAPPED["concat_weights"] = _concat_weights_cached
 _install_bootstrap()
 
 scaled_mm = torch.ops.quantfuse.scaled_mm
@@ -452,3 +515,4 @@ scaled_mm_azp = torch.ops.quantfuse.scaled_mm_azp
 awq_gemm = torch.ops.quantfuse.awq_gemm
 awq_dequantize = torch.ops.quantfuse.awq_dequantize
 w8a16_gemm = torch.ops.quantfuse.w8a16_gemm
+concat_weights = torch.ops.quantfuse.concat_weights

@@ -68,16 +68,23 @@ class QuantfuseGraphPass(CustomGraphPass):
     Inductor runs joint passes (it sees the weight chains before ``freezing``
     folds them), else the post-grad slot.  It marks the graph module so that a
     later slot does not report the same matmuls again.
+
+    ``horizontal``: then merge fused ops of one family that read the same
+    activation into one op over concatenated weights (``horizontal``).
     """
 
-    def __init__(self, slot: str, families: tuple[str, ...]):
-        self.slot, self.families = slot, families
+    def __init__(self, slot: str, families: tuple[str, ...], horizontal: bool = True):
+        self.slot, self.families, self.horizontal = slot, families, horizontal
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         patterns = patterns_for(self.families)[self.slot]
         while patterns.apply(graph):
             pass
         graph.eliminate_dead_code()
+        if self.horizontal:
+            from .horizontal import merge_shared_input
+
+            merge_shared_input(graph)
         owner = graph.owning_module
         meta = owner.meta if owner is not None else {}
         if not meta.get(_REPORTED):
@@ -87,14 +94,15 @@ class QuantfuseGraphPass(CustomGraphPass):
             meta[_REPORTED] = True
 
     def uuid(self):
-        return (self.slot, self.families, get_hash_for_files(_source_files()).hex())
+        return (self.slot, self.families, self.horizontal, get_hash_for_files(_source_files()).hex())
 
 
 _REPORTED = "quantfuse_candidates_reported"
 
 
 def make_graph_passes(options: dict | None = None) -> dict[str, CustomGraphPass]:
-    """Inductor slot name -> our pass for it, for the families ``options['families']`` names.
+    """Inductor slot name -> our pass for it, for the families ``options['families']`` names,
+    merging ops that share an input unless ``options['horizontal']`` is False.
 
     Only slots that hold patterns of those families get a pass (the joint slot
     always does: it reports the unfused candidates).
@@ -102,5 +110,6 @@ def make_graph_passes(options: dict | None = None) -> dict[str, CustomGraphPass]
     options = options or {}
     families = tuple(options.get("families", FAMILIES))
     registered = patterns_for(families)
-    return {slot: QuantfuseGraphPass(slot, families) for slot in SLOTS
+    horizontal = options.get("horizontal", True)
+    return {slot: QuantfuseGraphPass(slot, families, horizontal) for slot in SLOTS
             if registered[slot].patterns or slot == SLOTS[0]}

@@ -31,10 +31,21 @@ class Unfused:
     reason: str
 
 
+@dataclass(frozen=True)
+class Merged:
+    """Fused ops of one family that read the same activation, made one op (``horizontal``)."""
+
+    family: str
+    members: tuple[str, ...]  # the op nodes merged (or, when not merged, those concerned)
+    detail: str  # merged: the members' N; not merged: the reason
+
+
 @dataclass
 class FusionReport:
     fused: list[Fused] = field(default_factory=list)
     unfused: list[Unfused] = field(default_factory=list)
+    merged: list[Merged] = field(default_factory=list)
+    not_merged: list[Merged] = field(default_factory=list)
 
     def counts(self) -> Counter:
         return Counter(f.family for f in self.fused)
@@ -43,6 +54,11 @@ class FusionReport:
         lines = [f"quantfuse: fused {len(self.fused)} subgraph(s), left {len(self.unfused)} candidate(s)"]
         lines += [f"  fused    {f.family:<14} from {f.form}{' ' + f.detail if f.detail else ''}" for f in self.fused]
         lines += [f"  unfused  {u.node} ({u.target}): {u.reason}" for u in self.unfused]
+        if self.merged or self.not_merged:
+            lines[0] += f"; merged {len(self.merged)} group(s) of ops sharing an input"
+        lines += [f"  merged   {m.family:<14} {len(m.members)} ops ({', '.join(m.members)}) into one, {m.detail}"
+                  for m in self.merged]
+        lines += [f"  not merged {m.family} {', '.join(m.members)}: {m.detail}" for m in self.not_merged]
         return "\n".join(lines)
 
 
@@ -75,6 +91,18 @@ def record_unfused(node: str, target: str, reason: str) -> None:
     log.info("quantfuse: not fused %s (%s): %s", node, target, reason)
     for report in _active():
         report.unfused.append(Unfused(node, target, reason))
+
+
+def record_merged(family: str, members: tuple[str, ...], detail: str) -> None:
+    log.info("quantfuse: merged %d %s ops sharing an input (%s), %s", len(members), family, ", ".join(members), detail)
+    for report in _active():
+        report.merged.append(Merged(family, members, detail))
+
+
+def record_not_merged(family: str, members: tuple[str, ...], reason: str) -> None:
+    log.info("quantfuse: not merged %s ops sharing an input (%s): %s", family, ", ".join(members), reason)
+    for report in _active():
+        report.not_merged.append(Merged(family, members, reason))
 
 
 # --------------------------------------------------------------------------- per-node reasons

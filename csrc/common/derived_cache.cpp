@@ -102,10 +102,17 @@ std::vector<at::Tensor> make_outside_graph_pool(const at::Tensor& first, const D
 
 std::vector<at::Tensor> derived(int kind, std::initializer_list<at::Tensor> sources, int64_t extra,
                                 const DerivedMaker& make) {
-  const at::Tensor& first = *sources.begin();
+  return derived_list(kind, c10::ArrayRef<at::Tensor>(sources.begin(), sources.size()), c10::ArrayRef<int64_t>(extra),
+                      make);
+}
+
+std::vector<at::Tensor> derived_list(int kind, c10::ArrayRef<at::Tensor> sources, c10::ArrayRef<int64_t> extra,
+                                     const DerivedMaker& make) {
+  const at::Tensor& first = sources.front();
   const bool in_capture = capturing(first);
   bool cacheable = true;
-  std::vector<int64_t> key{kind, extra};
+  std::vector<int64_t> key{kind, static_cast<int64_t>(extra.size())};
+  key.insert(key.end(), extra.begin(), extra.end());
   std::vector<int64_t> versions;
   for (const auto& t : sources) {
     append_where(key, t);

@@ -16,6 +16,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/ArrayRef.h>
 
 #include <cstdint>
 #include <functional>
@@ -31,8 +32,13 @@ using DerivedMaker = std::function<std::vector<at::Tensor>()>;
 std::vector<at::Tensor> derived(int kind, std::initializer_list<at::Tensor> sources, int64_t extra,
                                 const DerivedMaker& make);
 
+// The same for a number of sources known only at run time (the parts of a concatenation), with
+// any number of extra key values.  `sources` must not be empty.
+std::vector<at::Tensor> derived_list(int kind, c10::ArrayRef<at::Tensor> sources, c10::ArrayRef<int64_t> extra,
+                                     const DerivedMaker& make);
+
 // Kinds of derived values (one cache, distinct keys).
-enum DerivedKind : int { kAwqRepack = 1, kAwqPrepareSm90 = 2, kWeightColsum = 3 };
+enum DerivedKind : int { kAwqRepack = 1, kAwqPrepareSm90 = 2, kWeightColsum = 3, kConcatWeights = 4 };
 
 // Drops every entry and zeroes the counts.
 void clear_derived();
