@@ -427,7 +427,9 @@ def test_awq_layer_split_over_shards(tmp_path):
     for key, file in index.items():
         layers.setdefault(key.rpartition(".")[0], set()).add(file)
     assert any(len(files) > 1 for files in layers.values())  # the split this test is about
-    check_loaded(from_pretrained(folder), AWQLinear)
+    model = from_pretrained(folder, dtype="auto")  # the config's: float16
+    check_loaded(model, AWQLinear)
+    assert model.model.norm.weight.dtype == torch.float16
 
 
 def test_awq_tied_embeddings_bfloat16(tmp_path):

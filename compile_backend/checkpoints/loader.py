@@ -47,8 +47,8 @@ def from_pretrained(path, dtype=None, device=None):
     static, activations; symmetric or asymmetric int8 activations) and ``pack-quantized`` (4-bit
     weight-only, as ``AWQLinear``), and AWQ ``gemm`` (``quant_method: awq``, from AutoAWQ or
     transformers).  ``dtype``: the activation dtype of the
-    model (its unquantized weights, the layers' outputs); default the config's ``dtype`` /
-    ``torch_dtype``.  ``device``: where the tensors are read to (default CPU).
+    model (its unquantized weights, the layers' outputs); default (or ``"auto"``) the config's
+    ``dtype`` / ``torch_dtype``.  ``device``: where the tensors are read to (default CPU).
 
     The model is built without weights and filled shard by shard: nothing is materialised in
     full precision.  A scheme no quantfuse module holds raises ``UnsupportedCheckpointError``
@@ -62,7 +62,7 @@ def from_pretrained(path, dtype=None, device=None):
             f"from_pretrained: {folder!r}'s config.json has no quantization_config; load unquantized "
             "checkpoints with transformers' own from_pretrained")
     fmt = checkpoint_format(qcfg)
-    if dtype is not None:
+    if dtype is not None and dtype != "auto":
         dtype = parse_dtype(dtype, "from_pretrained: dtype")
     else:
         stored = raw.get("dtype") or raw.get("torch_dtype") or "float32"
