@@ -15,6 +15,7 @@ against the same sharded model in eager.  Times are the slowest rank's.  With ``
 ``results_e2e.json`` of ``bench_e2e.py``) the single-GPU ratios to fp16 are printed next to these.
 
     torchrun --nproc-per-node 2 benchmarks/bench_tp.py --out DIR                       # 2 GPUs, NCCL
+    torchrun --nproc-per-node 2 benchmarks/bench_tp.py --configs int8,fp8-rowwise --append --out DIR
     torchrun --nproc-per-node 2 benchmarks/bench_tp.py --device cpu --quick --out DIR  # gloo, tiny dims
 
 NVLink multicast (NVLS) is kept off (``NCCL_NVLS_ENABLE=0`` unless set).
@@ -54,6 +55,8 @@ def parse_args(argv=None):
     ap.add_argument("--single", default=None, help="results_e2e.json of a single-GPU bench_e2e.py run to compare")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="directory for results_tp.{json,md} (default: print only)")
+    ap.add_argument("--append", action="store_true",
+                    help="add to the configs of --out's results_tp.json (a run split over several invocations)")
     args = ap.parse_args(argv)
     big = not (args.quick and args.device == "cpu")
     dims = dict(hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256) if big else \
@@ -160,11 +163,15 @@ def run_config(name: str, args, dev: torch.device, group) -> dict:
 
     step_fn = torch.compile(model.forward, backend=backend, dynamic=False,
                             mode=None if args.mode == "default" else args.mode)
+    def prefill():  # the cache keeps its own count of positions: a step is compared from the same state
+        cache.reset()
+        return call(model.forward, prompt, torch.arange(args.context, device=dev).unsqueeze(0))[:, -1:].argmax(-1)
+
     with torch.no_grad():
-        pos = torch.arange(args.context, device=dev).unsqueeze(0)
-        tok = call(model.forward, prompt, pos)[:, -1:].argmax(-1)
+        tok = prefill()
         pos = torch.full((1, 1), args.context, device=dev, dtype=torch.long)
         ref = call(model.forward, tok, pos).float()
+        prefill()
         counters.clear()
         with collecting_report() as report:
             logits, r["decode_first_call_s"] = timer(lambda: call(step_fn, tok, pos))
@@ -264,7 +271,7 @@ def main(argv=None):
         torch.cuda.set_device(local)
         dev = torch.device("cuda", local)
         # NCCL for the model's collectives; the timer's all-reduce of a CPU scalar goes through gloo.
-        dist.init_process_group("cuda:nccl,cpu:gloo")
+        dist.init_process_group("cuda:nccl,cpu:gloo", device_id=dev)
     else:
         dev = torch.device("cpu")
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
@@ -280,6 +287,10 @@ def main(argv=None):
                         dense=args.dense, torch=torch.__version__, argv=" ".join(sys.argv),
                         device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"),
            "configs": {}}
+    previous = os.path.join(args.out or "", "results_tp.json")
+    if args.append and args.out and os.path.exists(previous):
+        with open(previous) as f:
+            res["configs"] = json.load(f)["configs"]
     if args.single:
         res["single"] = single_gpu_ratios(args.single)
     group = dist.group.WORLD

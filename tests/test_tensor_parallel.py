@@ -1,6 +1,6 @@
-"""Tensor parallelism on CPU: two processes (gloo), a tiny Hugging Face Llama quantized (attention int8
-W8A8, MLP AWQ g32, biases on every linear), sharded with ``tensor_parallel`` (q/k/v/gate/up column-wise,
-o/down row-wise) and compiled with ``backend="quantfuse"``.
+"""Tensor parallelism: two processes (gloo on CPU, in CI; NCCL where there are two GPUs), a tiny Hugging
+Face Llama quantized (attention int8 W8A8, MLP AWQ g32, biases on every linear), sharded with
+``tensor_parallel`` (q/k/v/gate/up column-wise, o/down row-wise) and compiled with ``backend="quantfuse"``.
 
 Both ranks run one spawn (``tp_results``: one compile per process, the bulk of the time) and report;
 the tests check what they reported:
@@ -65,18 +65,21 @@ def _rel(a, b) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def _worker(rank: int, port: int, out: str) -> None:
+def _worker(rank: int, port: int, out: str, device: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("gloo" if device == "cpu" else "nccl", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=WORLD)
     try:
-        _run(rank, out)
+        _run(rank, out, torch.device(device, rank) if device == "cuda" else torch.device(device))
     finally:
         dist.destroy_process_group()
 
 
-def _run(rank: int, out: str) -> None:
+def _run(rank: int, out: str, dev: torch.device) -> None:
     import torch.distributed as dist
     from torch._dynamo.utils import counters
 
@@ -85,12 +88,12 @@ def _run(rank: int, out: str) -> None:
     from compile_backend.tensor_parallel import RowParallelLinear, tensor_parallel
 
     res = {}
-    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
-    model = _model()
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1)).to(dev)
+    model = _model().to(dev)
     full = {name: {k: v.clone() for k, v in m.state_dict().items()} for name, m in model.named_modules()
             if isinstance(m, (W8A8Linear, AWQLinear))}
     with torch.no_grad():
-        res["ref"] = model(ids, use_cache=False).logits.float()
+        res["ref"] = model(ids, use_cache=False).logits.float().cpu()
 
     # An AWQ group across two shards: K = 96 over 2 ranks is 48 per shard, group 32.
     bad = torch.nn.Sequential()
@@ -119,7 +122,7 @@ def _run(rank: int, out: str) -> None:
                           and torch.equal(down.local.scales, f["scales"][rank * k // 32:(rank + 1) * k // 32])
                           and torch.equal(down.bias, f["bias"]) and down.local.bias is None)
     with torch.no_grad():
-        res["sharded"] = model(ids, use_cache=False).logits.float()
+        res["sharded"] = model(ids, use_cache=False).logits.float().cpu()
 
     torch._dynamo.reset()
     counters.clear()
@@ -130,7 +133,7 @@ def _run(rank: int, out: str) -> None:
             torch._inductor.config.patch(fx_graph_cache=False, compile_threads=1), torch.no_grad():
         compiled = torch.compile(model, backend="quantfuse")
         logits, code = run_and_get_code(lambda: compiled(ids, use_cache=False).logits)
-    res["compiled"] = logits.float()
+    res["compiled"] = logits.float().cpu()
     res["graphs"] = counters["stats"]["unique_graphs"]
     res["fused"] = [f"{r.family} ({r.form})" for r in report.fused]
     res["unfused"] = [str(u) for u in report.unfused]
@@ -142,12 +145,14 @@ def _run(rank: int, out: str) -> None:
     torch.save(res, os.path.join(out, f"rank{rank}.pt"))
 
 
-@pytest.fixture(scope="module")
-def tp_results(tmp_path_factory):
+@pytest.fixture(scope="module", params=[
+    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(torch.cuda.device_count() < WORLD,
+                                                         reason=f"needs {WORLD} CUDA GPUs"))])
+def tp_results(request, tmp_path_factory):
     import torch.multiprocessing as mp
 
     out = str(tmp_path_factory.mktemp("tp"))
-    mp.spawn(_worker, args=(_free_port(), out), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(_free_port(), out, request.param), nprocs=WORLD, join=True)
     return [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(WORLD)]
 
 
