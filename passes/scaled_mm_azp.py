@@ -16,6 +16,15 @@ bounds) or an integral number.  A float zero point of unknown origin is left
 alone (the op takes int32 zero points; truncating a fractional one would be
 wrong).
 
+The integer-GEMM form with a per-token zero point is torchao's
+``Int8DynamicActivationInt8WeightConfig(act_mapping_type=ASYMMETRIC)``:
+``(acc * s_a)[.to(dt)] - ((z.float() * s_a) * w.sum(-1).float())[.to(dt)]``, times the
+weight scale, where ``acc`` is any spelling of the int32 product ``scaled_mm`` accepts
+(``_int_mm``, the u8s8 form) and ``s_a`` may be ``expand``-ed.  That is
+``s_a · s_b · (acc − z · colsum(b))``: the op, rounded once where the source rounds both
+terms and their difference to ``dt`` (docs/DESIGN.md, "Rounding").  Both ``s_a`` must be
+views of one scale, and the row sums those of the GEMM's own weight.
+
 ``colsum(b)`` comes from ``quantfuse::weight_colsum(weight)``
 (``compile_backend/weight_cache.py``): constant-folded under ``freezing``,
 otherwise served from a per-weight cache, so the column sums are computed once
@@ -27,15 +36,18 @@ vector op Inductor fuses.
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 
 import torch
-from torch._inductor.pattern_matcher import Match, PatternMatcherPass
+from torch._inductor.pattern_matcher import CallFunction, KeywordArg, Match, PatternExpr, PatternMatcherPass
 from torch.fx import Node
 
 import compile_backend.weight_cache  # noqa: F401  (registers quantfuse::weight_colsum)
 
 from .fx_helpers import (
     CONVERT,
+    F32,
+    MUL,
     VIEWS,
     OpSignature,
     Plan,
@@ -46,12 +58,14 @@ from .fx_helpers import (
     dequant_matmul_patterns,
     is_per_token_shape,
     known,
+    mul_either,
     register_checked,
     register_epilogue_rules,
     require,
     shape_str,
     val,
 )
+from .scaled_mm import ROUNDING_DTYPES, check_int_product, int_products, output_scale_kind, scale_source
 
 FAMILY = "scaled_mm_azp"
 SLOTS = ("joint_custom_pre_pass", "post_grad_custom_pre_pass")
@@ -100,6 +114,19 @@ def zero_point_kind(z, a) -> str:
     return "per-token"
 
 
+def call_scaled_mm_azp(a, w, scale_a, scale_b, azp, z_kind: str, out_dtype, bias=None):
+    """``quantfuse::scaled_mm_azp`` for an int8 ``a`` [M, K] and weight ``w`` [N, K] with zero point ``azp``."""
+    colsum = torch.ops.quantfuse.weight_colsum(w)
+    if z_kind == "per-tensor":
+        z = azp.to(torch.int32).reshape(()) if isinstance(azp, torch.Tensor) else int(azp)
+        azp_adj, azp_vec = colsum * z, None
+    else:
+        azp_adj, azp_vec = colsum, azp.to(torch.int32).reshape(-1)
+    return torch.ops.quantfuse.scaled_mm_azp(
+        a, w.t(), as_scale_vector(scale_a, a), as_scale_vector(scale_b, a), out_dtype, azp_adj, azp_vec,
+        as_bias_vector(bias))
+
+
 def plan_dequant_matmul_azp(match: Match, *, form: str, viewed: bool) -> Plan:
     kw = match.kwargs
     c = check_dequant_matmul(match, viewed=viewed, zero_point=True)
@@ -108,20 +135,85 @@ def plan_dequant_matmul_azp(match: Match, *, form: str, viewed: bool) -> Plan:
 
     def build(a, w, scale_a, scale_b, azp, bias=None):
         a2 = a.reshape(-1, a.shape[-1]) if viewed else a
-        colsum = torch.ops.quantfuse.weight_colsum(w)
-        if z_kind == "per-tensor":
-            z = azp.to(torch.int32).reshape(()) if isinstance(azp, torch.Tensor) else int(azp)
-            azp_adj, azp_vec = colsum * z, None
-        else:
-            azp_adj, azp_vec = colsum, azp.to(torch.int32).reshape(-1)
-        return torch.ops.quantfuse.scaled_mm_azp(
-            a2, w.t(), as_scale_vector(scale_a, a), as_scale_vector(scale_b, a), out_dtype,
-            azp_adj, azp_vec, as_bias_vector(bias))
+        return call_scaled_mm_azp(a2, w, scale_a, scale_b, azp, z_kind, out_dtype, bias)
 
     inputs = {"a": kw["a"], "w": kw["w"], "scale_a": kw["scale_a"], "scale_b": kw["scale_b"], "azp": kw["azp"]}
     if bias is not None:
         inputs["bias"] = bias
     detail = f"int8 {sa_kind} x {sb_kind}, {z_kind} zero point, in {out_dtype}".replace("torch.", "")
+    return Plan(inputs, build, detail, out_dtype)
+
+
+# --------------------------------------------------------------------------- integer GEMM with a zero point
+
+
+def int_mm_azp_patterns() -> Iterator[tuple[str, PatternExpr]]:
+    """torchao's asymmetric chain (see the module docstring), over every int32 product spelling."""
+    z = CallFunction(CONVERT, KeywordArg("azp"), KeywordArg("z_dt"))
+    rowsum = CallFunction(CONVERT, CallFunction(aten.sum.dim_IntList, KeywordArg("w"), KeywordArg("sum_dims")),
+                          KeywordArg("rs_dt"))
+    z_term = CallFunction(MUL, CallFunction(MUL, z, KeywordArg("sa2")), rowsum)
+    for tag, product in int_products():
+        for acc in (CallFunction(CONVERT, product, KeywordArg("acc_dt")), product):
+            for scaled in mul_either(acc, KeywordArg("sa")):
+                for rounded in (False, True):
+                    left = CallFunction(CONVERT, scaled, KeywordArg("mid_dt")) if rounded else scaled
+                    right = CallFunction(CONVERT, z_term, KeywordArg("mid_dt2")) if rounded else z_term
+                    for out in mul_either(CallFunction(aten.sub.Tensor, left, right), KeywordArg("sb")):
+                        yield f"int_mm{tag}-azp" + ("-rounded" if rounded else ""), out
+
+
+def _base(node):
+    while isinstance(node, Node) and node.target in VIEWS:
+        node = node.args[0]
+    return node
+
+
+def plan_int_mm_azp(match: Match, *, form: str) -> Plan:
+    kw = match.kwargs
+    check_int_product(kw, form)
+    a, w = val(kw["a"]), val(kw["w"])
+    m, n = a.shape[0], w.shape[0]
+    if "acc_dt" in kw:
+        require(kw["acc_dt"] == F32, f"_int_mm result converted to {kw['acc_dt']}; expected float32")
+    require(kw["z_dt"] == F32 and kw["rs_dt"] == F32,
+            f"zero point and row sums converted to {kw['z_dt']} and {kw['rs_dt']}; expected float32")
+    require(list(kw["sum_dims"]) in ([-1], [1]), f"weight summed over dims {kw['sum_dims']}; expected its rows")
+    inside = set(match.nodes)
+    sub = next(x for x in match.output_node().args if isinstance(x, Node) and x in inside)
+    left, right = sub.args
+    if "-rounded" in form:
+        require(kw["mid_dt"] == kw["mid_dt2"] and kw["mid_dt"] in ROUNDING_DTYPES,
+                f"terms rounded to {kw['mid_dt']} and {kw['mid_dt2']}; expected one of bfloat16, float16, "
+                "float32 for both")
+        left, right = left.args[0], right.args[0]
+    require(val(left).dtype == F32 and val(right).dtype == F32,
+            f"terms computed in {val(left).dtype} and {val(right).dtype}; expected float32")
+    out_dtype = val(match.output_node()).dtype
+    require(out_dtype == F32 or ("-rounded" in form and out_dtype == kw["mid_dt"]),
+            f"weight scale applied in {out_dtype}; expected float32")
+    sa = scale_source(kw["sa"], (m, n))
+    sa_kind = output_scale_kind(val(sa), m, n)
+    require(sa_kind != "per-column", "the activation scale is per-column")
+    sa2 = kw["sa2"]
+    require(_base(sa) is _base(sa2) and known(val(sa).numel() == val(sa2).numel()),
+            f"the zero-point term is scaled by {getattr(sa2, 'name', sa2)}, not by the activation scale "
+            f"{getattr(sa, 'name', sa)}")
+    z_kind = zero_point_kind(kw["azp"], a)
+    sb = scale_source(kw["sb"], (m, n))
+    sb_kind = output_scale_kind(val(sb), m, n)
+    require(sb_kind != "per-row", "the weight scale is per-row")
+
+    def build(a, w, scale_a, scale_b, azp):
+        return call_scaled_mm_azp(a, w, scale_a, scale_b, azp, z_kind, out_dtype)
+
+    inputs = {"a": kw["a"], "w": kw["w"], "scale_a": sa, "scale_b": sb, "azp": kw["azp"]}
+    detail = (f"int8 {'per-token' if sa_kind == 'per-row' else 'per-tensor'} x "
+              f"{'per-channel' if sb_kind == 'per-column' else 'per-tensor'}, {z_kind} zero point, "
+              f"in {out_dtype}").replace("torch.", "")
+    if "-rounded" in form:
+        detail += f"; rounds once where the source rounds to {kw['mid_dt']} between the scales".replace(
+            "torch.", "")
     return Plan(inputs, build, detail, out_dtype)
 
 
@@ -131,6 +223,8 @@ def register(passes: dict[str, PatternMatcherPass]) -> None:
         form = form.replace("dequant-", "dequant-azp-")
         register_checked(pattern, target, FAMILY, form,
                          functools.partial(plan_dequant_matmul_azp, form=form, viewed=form.endswith("-3d")))
+    for form, pattern in int_mm_azp_patterns():
+        register_checked(pattern, target, FAMILY, form, functools.partial(plan_int_mm_azp, form=form))
     register_epilogue_rules(target, SCALED_MM_AZP)
 
 

@@ -33,10 +33,12 @@ import torchao.quantization.quant_api as quant_api  # noqa: E402
 from torchao.quantization import (  # noqa: E402
     Float8DynamicActivationFloat8WeightConfig,
     Int8DynamicActivationInt8WeightConfig,
+    MappingType,
     PerRow,
     PerTensor,
     quantize_,
 )
+from torchao.quantization.quantize_.common import _choose_quant_func_and_quantize_tensor  # noqa: E402
 
 from compile_backend.passes import collecting_report  # noqa: E402
 
@@ -76,6 +78,23 @@ class Parallel(torch.nn.Module):
         return torch.cat([xi.double().abs() @ lin.weight.dequantize().double().abs().t()
                           for lin, xi in zip(self.linears(), self.inputs(x))], dim=-1)
 
+    def asymmetric_terms(self, x) -> torch.Tensor:
+        """``2·(|acc·s_a·s_b| + |z·s_a·colsum·s_b|)`` per linear (float64), from torchao's own
+        quantization of each input: what the asymmetric form rounds (both terms and their
+        difference, which is at most their sum)."""
+        parts = []
+        for lin, xi in zip(self.linears(), self.inputs(x)):
+            w = lin.weight
+            q = _choose_quant_func_and_quantize_tensor(xi, w.act_quant_kwargs)
+            a = q.qdata.double().reshape(-1, xi.shape[-1])
+            sa = q.scale.double().reshape(-1, 1)
+            z = q.zero_point.double().reshape(-1, 1)
+            wq, sb = w.qdata.double(), w.scale.double().reshape(1, -1)
+            acc_term = (a @ wq.t()).abs() * sa * sb
+            z_term = (z * wq.sum(-1).reshape(1, -1)).abs() * sa * sb
+            parts.append((2 * (acc_term + z_term)).reshape(*xi.shape[:-1], -1))
+        return torch.cat(parts, dim=-1)
+
     def bias(self) -> torch.Tensor:
         """The biases as they are added to the concatenated output (zeros where none)."""
         parts = [m.bias if m.bias is not None else torch.zeros(m.out_features, device=m.weight.device)
@@ -107,9 +126,10 @@ def fp8_on_cpu(monkeypatch):
     monkeypatch.setattr(quant_api, "_check_hardware_support", lambda *a, **k: None)
 
 
-def int8_model(dtype, **kw):
+def int8_model(dtype, asymmetric=False, **kw):
     model = Parallel(dtype, **kw)
-    quantize_(model, Int8DynamicActivationInt8WeightConfig())
+    mapping = MappingType.ASYMMETRIC if asymmetric else MappingType.SYMMETRIC
+    quantize_(model, Int8DynamicActivationInt8WeightConfig(act_mapping_type=mapping))
     return model
 
 
@@ -119,18 +139,21 @@ def fp8_model(dtype, granularity, **kw):
     return model
 
 
-def check_source_bound(out, src, bias, mid_dtype, accumulation=0.0):
+def check_source_bound(out, src, bias, mid_dtype, accumulation=0.0, rounded=None):
     """``|fused − source| ≤ u_mid·|p| + u_out·(|fused| + |source|) + 4·2⁻²⁴·|p| + accumulation``
     elementwise, with ``p = fused − bias`` the scaled product: the source's one rounding of the
     product to ``mid_dtype`` between the scales (``u_mid``: its unit roundoff; for float32
     sources only float32's own), the final rounding of each side to the output dtype, float32
     evaluation order of the epilogue, and for fp8 the source's float32 accumulation
-    (``accumulation``; int8 products accumulate exactly on both sides)."""
+    (``accumulation``; int8 products accumulate exactly on both sides).  ``rounded``: the
+    magnitudes the source rounds to ``mid_dtype`` when that is more than ``p`` (the asymmetric
+    form rounds both terms and their difference), in place of ``|p|`` in the first term."""
     assert out.dtype == src.dtype and out.shape == src.shape
     o, s = out.double(), src.double()
     p = (o - bias).abs()
     u_out = UNIT_ROUNDOFF[out.dtype]
-    bound = UNIT_ROUNDOFF[mid_dtype] * p + u_out * (o.abs() + s.abs()) + 4 * 2.0**-24 * p + accumulation
+    mid = p if rounded is None else rounded
+    bound = UNIT_ROUNDOFF[mid_dtype] * mid + u_out * (o.abs() + s.abs()) + 4 * 2.0**-24 * p + accumulation
     err = (o - s).abs()
     bad = err > bound
     assert not bad.any(), (f"{int(bad.sum())} of {bad.numel()} elements beyond the bound; max err "
@@ -170,6 +193,35 @@ def test_int8_dynamic_2d_input_and_dynamic_batch(int8_path):
     r = apply_passes(model, x, dynamic=True)
     assert_all_fused(r, 3)
     check_source_bound(r.output, r.expected, model.bias(), torch.bfloat16)
+
+
+@pytest.mark.parametrize("int8_path,dtype", [("s8s8", torch.float32), ("s8s8", torch.bfloat16),
+                                             ("u8s8", torch.bfloat16), ("cuda-form", torch.float16)],
+                         ids=["s8s8-f32", "s8s8-bf16", "u8s8-bf16", "cuda-form-f16"], indirect=["int8_path"])
+def test_int8_dynamic_asymmetric_every_linear_fused(int8_path, dtype):
+    """``act_mapping_type=ASYMMETRIC``: per-token zero points, into ``scaled_mm_azp``."""
+    model = int8_model(dtype, asymmetric=True)
+    x = torch.randn(3, 5, K, dtype=dtype, generator=torch.Generator().manual_seed(8)) + 0.5
+    r = apply_passes(model, x)
+    assert_all_fused(r, 3)
+    assert r.report.counts() == {"scaled_mm_azp": 3}, r.report
+    u8 = "-u8" if int8_path == "u8s8" else ""
+    assert {f.form for f in r.report.fused} == {f"int_mm{u8}-azp" + ("-rounded" if dtype != torch.float32 else "")}
+    assert all("per-token zero point" in f.detail for f in r.report.fused), r.report
+    with torch.no_grad():
+        rounded = model.asymmetric_terms(x)
+    check_source_bound(r.output, r.expected, model.bias(), dtype, rounded=rounded)
+
+
+def test_zero_point_term_with_another_scale_is_not_fused():
+    def fn(a, w, sa, sw):
+        z = torch.full((M, 1), 3, dtype=torch.int8)
+        acc = torch._int_mm(a, w.t()).to(torch.float32) * sa
+        z_term = (z.to(torch.float32) * (sa * 2)) * w.sum(dim=-1).to(torch.float32)
+        return (acc - z_term) * sw.flatten()
+
+    reason = _only_unfused_reason(apply_passes(fn, *_int8_inputs()))
+    assert "not by the activation scale" in reason, reason
 
 
 # --------------------------------------------------------------------------- FX level: fp8
@@ -379,13 +431,18 @@ def test_gpu_fp8_dynamic(granularity, m):
 @pytest.mark.gpu
 @pytest.mark.compile
 @pytest.mark.parametrize("m", [1, 48, 300])
-def test_gpu_int8_dynamic(m):
-    model = int8_model(torch.bfloat16, k=GPU_K, widths=GPU_WIDTHS, device="cuda")
+@pytest.mark.parametrize("asymmetric", [False, True], ids=["sym", "asym"])
+def test_gpu_int8_dynamic(asymmetric, m):
+    model = int8_model(torch.bfloat16, asymmetric=asymmetric, k=GPU_K, widths=GPU_WIDTHS, device="cuda")
     x, ref, out, code, report = _gpu_compile(model, m, torch.bfloat16)
-    _code_fuses(code, 3)
-    assert report.counts() == {"scaled_mm": 3} and report.unfused == [], report
-    assert {f.form for f in report.fused} == {"int_mm-rounded"}, report
-    check_source_bound(out, ref, model.bias(), torch.bfloat16)
+    op = "scaled_mm_azp" if asymmetric else "scaled_mm"
+    assert code.count(f"torch.ops.quantfuse.{op}.default(") == 3, code
+    assert "_int_mm" not in code and "extern_kernels.mm(" not in code, code
+    assert report.counts() == {op: 3} and report.unfused == [], report
+    assert {f.form for f in report.fused} == {"int_mm-azp-rounded" if asymmetric else "int_mm-rounded"}, report
+    with torch.no_grad():
+        rounded = model.asymmetric_terms(x) if asymmetric else None
+    check_source_bound(out, ref, model.bias(), torch.bfloat16, rounded=rounded)
 
 
 # --------------------------------------------------------------------------- a Hugging Face Llama
