@@ -25,7 +25,17 @@ aten = torch.ops.aten
 
 MATMULS = {
     aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten._int_mm.default,
-    aten.matmul.default, aten.linear.default, aten._scaled_mm.default,
+    aten.matmul.default, aten.linear.default, aten._scaled_mm.default, aten._weight_int8pack_mm.default,
+}
+# Packed quantized matmuls of other libraries that no family takes: always candidates, reported
+# with why not.
+_TINYGEMM = ("tinygemm int4 (torchao Int4WeightOnlyConfig, tile_packed_to_4d): its weight "
+             "dequantizes as q * s + zero with a float zero per group, which awq_gemm's integer "
+             "(q - z) * s represents only when (8 * s - zero) / s is an integer in [0, 15]; not "
+             "repacked, runs tinygemm as is")
+OPAQUE = {
+    aten._weight_int4pack_mm.default: _TINYGEMM,
+    aten._weight_int4pack_mm_for_cpu.default: _TINYGEMM,
 }
 QUANT_DTYPES = {torch.int8, torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2}
 _UNPACK = {
@@ -77,7 +87,7 @@ def report_unfused(graph: torch.fx.Graph) -> list[tuple[str, str]]:
     """Record every matmul still in ``graph`` whose inputs look quantized; returns (node, reason) pairs."""
     found = []
     for node in graph.nodes:
-        if node.op != "call_function" or node.target not in MATMULS:
+        if node.op != "call_function" or node.target not in MATMULS | OPAQUE.keys():
             continue
         # The backward of a joint graph is eager's own autograd (grad_y @ w_deq and the like);
         # the passes fuse forward matmuls only.  A forward matmul is reported once: the
@@ -86,14 +96,17 @@ def report_unfused(graph: torch.fx.Graph) -> list[tuple[str, str]]:
         if is_backward(node) or node.meta.get(_REPORTED_NODE):
             continue
         node.meta[_REPORTED_NODE] = True
-        if node.target is aten._int_mm.default:
+        if node.target in OPAQUE:
+            source, reasons = node.name, [OPAQUE[node.target]]
+        elif node.target is aten._int_mm.default:
             source = f"{node.name} itself (int8 x int8 -> int32)"
         else:
             operands = node.args[1:3] if node.target in (aten.addmm.default, aten.baddbmm.default) else node.args[:2]
             source = next((s for s in (quantized_source(a) for a in operands) if s is not None), None)
         if source is None:
             continue
-        reasons = report.noted_reasons(node)
+        if node.target not in OPAQUE:
+            reasons = report.noted_reasons(node)
         if reasons:
             reason = "; ".join(reasons)
         else:

@@ -18,7 +18,9 @@ custom passes:
         y = mm(x, W.t())  |  addmm(bias, x, W.t())
 
     (``F.linear`` of a 3-D ``x`` is ``view`` → ``mm``/``addmm`` → ``view``: the op replaces the
-    2-D matmul and the views stay).
+    2-D matmul and the views stay);
+4c. ``torch.ops.aten._weight_int8pack_mm(x, w_q, s)`` (s ``[N]`` in the activation dtype; what
+    older torchao int8 weight-only layouts and gpt-fast call): the same math, replaced as is.
 
 A ``+ bias`` after the op (with a view between them, 3-D activations) is folded into the
 op by a second, small pattern set (the pass runs to a fixed point).
@@ -120,6 +122,7 @@ def patterns():
     for wt in _weight_t(scaled=True):
         yield "dequant-mm", CallFunction(aten.mm.default, x, wt)
         yield "dequant-addmm", CallFunction(aten.addmm.default, KeywordArg("bias"), x, wt)
+    yield "weight_int8pack_mm", CallFunction(aten._weight_int8pack_mm.default, x, KeywordArg("w"), s)
 
 
 # --------------------------------------------------------------------------- checks and plan
@@ -152,7 +155,8 @@ def _scale_kind(s, n, *, after: bool, dt) -> str:
 
 def plan(match: Match, *, form: str) -> Plan:
     kw = match.kwargs
-    x, w, dt = val(kw["x"]), val(kw["w"]), kw["dt"]
+    x, w = val(kw["x"]), val(kw["w"])
+    dt = kw["dt"] if "dt" in kw else getattr(x, "dtype", None)
     require(isinstance(w, torch.Tensor) and w.dtype == torch.int8 and w.dim() == 2,
             f"the weight is {getattr(w, 'dtype', w)} of shape {shape_str(w)}; expected a 2-D int8 tensor [N, K]")
     require(isinstance(x, torch.Tensor) and x.dim() == 2 and x.dtype in W8A16_ACT_DTYPES,
@@ -163,7 +167,7 @@ def plan(match: Match, *, form: str) -> Plan:
     require(known(x.shape[1] == K), f"weight of shape {shape_str(w)} does not match activation {shape_str(x)}")
     source = quantized_source(kw["x"], depth=_ACT_DEQUANT_DEPTH)
     require(source is None, f"the activation is dequantized from {source} (a W8A8 form, not weight-only)")
-    kind = _scale_kind(val(kw["s"]), N, after=form == "scale-after-mm", dt=dt)
+    kind = _scale_kind(val(kw["s"]), N, after=form in ("scale-after-mm", "weight_int8pack_mm"), dt=dt)
     check_private(match, _weight_side(match), "the dequantized weight")
     bias = kw.get("bias")
     if bias is not None:

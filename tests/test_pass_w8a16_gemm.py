@@ -163,6 +163,27 @@ def test_grad_mode_fuses_the_forward_and_keeps_eager_gradients():
     torch.testing.assert_close(gx, ex, rtol=1e-5, atol=1e-5)
 
 
+def test_weight_int8pack_mm_is_replaced():
+    """``aten._weight_int8pack_mm`` (gpt-fast, older torchao layouts) computes the op's math."""
+    x, w, s, b = data(torch.bfloat16, scale_dtype=torch.bfloat16)
+    r = apply_passes(lambda x, w, s, b: torch.ops.aten._weight_int8pack_mm(x, w, s) + b, x, w, s, b)
+    assert r.count(W8A16) == 1 and r.count(aten._weight_int8pack_mm.default) == 0, r.report
+    assert r.report.fused[0].form == "weight_int8pack_mm"
+    assert_close_to_reference(r.output, x, w, s, b)
+
+
+def test_tinygemm_int4_is_reported_with_its_reason():
+    """torchao's Int4WeightOnlyConfig (tinygemm layout) calls an opaque packed-int4 matmul: it stays,
+    and explain() says why."""
+    x = torch.randn(3, K, dtype=torch.bfloat16)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.randint(0, 16, (N, K), dtype=torch.int32), 2)
+    scale_zeros = torch.rand(K // 32, N, 2, dtype=torch.bfloat16)
+    r = apply_passes(lambda x, p, sz: torch.ops.aten._weight_int4pack_mm_for_cpu(x, p, 32, sz), x, packed, scale_zeros)
+    assert r.fused == 0
+    assert [u.target for u in r.report.unfused] == ["_weight_int4pack_mm_for_cpu.default"], str(r.report)
+    assert "tinygemm int4" in r.report.unfused[0].reason and "float zero" in r.report.unfused[0].reason
+
+
 # --------------------------------------------------------------------------- near-misses stay unfused
 
 
