@@ -192,7 +192,8 @@ def run_config(name: str, args, dev: torch.device, group) -> dict:
         r["decode_ms_per_step"] = wall * 1e3 / args.steps
         r["tok_per_s"] = args.steps / wall
     log(f"{name}: {r['tok_per_s']:.1f} tok/s ({r['decode_ms_per_step']:.2f} ms/step), fused {r['fused']} per rank, "
-        f"unfused {len(r['unfused'])}, logits err {r['decode_logits_err']:.3g}")
+        f"unfused {len(r['unfused'])}, logits err {r['decode_logits_err']:.3g}"
+        + (f"; CUDA graphs skipped {r['cudagraph_skips']}x" if r["cudagraph_skips"] else ""))
     step_fn = cache = None  # free the decode graph and cache before the prefill's
 
     # prefill 1 x prompt_len, first token included
@@ -230,7 +231,7 @@ def single_gpu_ratios(path: str) -> dict:
     for name, c in configs.items():
         try:
             out[name] = dict(decode=c["loop"]["b1"]["tok_per_s"] / base["loop"]["b1"]["tok_per_s"],
-                             prefill=base["loop"]["prefill"]["ttft_ms"] / c["loop"]["prefill"]["ttft_ms"])
+                             prefill=base["prefill"]["ttft_ms"] / c["prefill"]["ttft_ms"])
         except (KeyError, TypeError, ZeroDivisionError):
             continue
     return out
