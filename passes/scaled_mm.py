@@ -24,15 +24,13 @@ written out:
     ``mm`` / ``addmm`` (what ``F.linear``, ``x @ w.t()``, ``torch.mm`` and
     ``torch.matmul`` decompose to), with ``dt`` float32 (``W8A8Linear``),
     bfloat16 or float16.
-
 2d. ``torch._scaled_mm(a, b, scale_a, scale_b, bias, None, out_dtype)`` (float8_e4m3fn,
     per-tensor or row-wise scales; torchao's ``Float8DynamicActivationFloat8WeightConfig``
-    calls it): the same product as the op, so it is always replaced, and the
-    C++ dispatch picks the kernel (cuBLASLt through ``at::_scaled_mm`` where that
-    was measured faster).  ``use_fast_accum`` is dropped: the op accumulates in
-    float32 at full precision.  On a CUDA GPU other than Hopper it is kept: the
-    op's fp8 kernels there cover decode sizes only, and larger M would run the
-    reference.
+    calls it): the same product as the op.  Replaced on CPU and on Hopper, where
+    the C++ dispatch picks the kernel (cuBLASLt through ``at::_scaled_mm`` where
+    that was measured faster); ``use_fast_accum`` is dropped: the op accumulates in
+    float32 at full precision.  Kept on other GPUs: the op's fp8 kernels there
+    cover decode sizes only, and larger M would run the reference.
 
 Epilogues are absorbed afterwards, one step at a time, by small rules on the
 op's output (``fx_helpers.register_epilogue_rules``, shared with
