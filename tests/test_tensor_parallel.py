@@ -1,5 +1,6 @@
-"""Tensor parallelism: two processes (gloo on CPU, in CI; NCCL where there are two GPUs), a tiny Hugging
-Face Llama quantized (attention int8 W8A8, MLP AWQ g32, biases on every linear), sharded with
+"""Tensor parallelism: two processes (gloo on CPU, in CI; on a GPU machine both ranks on GPU 0 through
+gloo, and NCCL where there are two GPUs), a tiny Hugging Face Llama quantized (attention int8 W8A8, MLP
+AWQ g32, biases on every linear), sharded with
 ``tensor_parallel`` (q/k/v/gate/up column-wise, o/down row-wise) and compiled with ``backend="quantfuse"``.
 
 Both ranks run one spawn (``tp_results``: one compile per process, the bulk of the time) and report;
@@ -26,7 +27,13 @@ transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.compile
 
 WORLD = 2
-HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, VOCAB = 64, 128, 4, 2, 64
+HEADS, KV_HEADS, VOCAB = 4, 2, 64
+# (hidden, intermediate): tiny on CPU; on a GPU, sizes every shard's fused op runs a CUDA kernel for
+# (K and N multiples of 128 or more per rank) rather than the reference
+SIZES = {"cpu": (64, 128), "cuda": (256, 512)}
+# How the ranks run: backend and device of each rank.  "cuda-shared": both ranks on GPU 0 through gloo
+# (which all-reduces CUDA tensors through the host), for machines with one GPU.
+MODES = {"cpu": ("gloo", "cpu"), "cuda-shared": ("gloo", "cuda"), "cuda-nccl": ("nccl", "cuda")}
 # Relative L2 of the logits (bf16 model).  Sharded vs unsharded eager: the row-parallel int8 layer
 # quantizes each rank's half of its input with its own per-token scale, and partial sums are rounded
 # to bf16 before the all-reduce (measured ~1e-2).  Compiled vs sharded eager: the fused ops' single
@@ -41,11 +48,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _model():
+def _model(hidden: int, intermediate: int):
     from compile_backend.quantize import quantize_model
 
     cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=1,
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=1,
         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=64,
         attn_implementation="sdpa", tie_word_embeddings=False, attention_bias=True, mlp_bias=True,
         bos_token_id=None, eos_token_id=None, pad_token_id=0, initializer_range=0.1)
@@ -57,7 +64,7 @@ def _model():
                 m.bias.normal_(0, 0.5)
     model = model.to(torch.bfloat16)
     quantize_model(model, "int8", skip=("lm_head", "mlp"))  # attention: W8A8 int8
-    quantize_model(model, "awq-g32")  # MLP: AWQ, K = 64 / 128 (row shard 64): whole groups per shard
+    quantize_model(model, "awq-g32")  # MLP: AWQ; the row-parallel shards hold whole groups
     return model
 
 
@@ -65,16 +72,17 @@ def _rel(a, b) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def _worker(rank: int, port: int, out: str, device: str) -> None:
+def _worker(rank: int, port: int, out: str, mode: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    if device == "cuda":
-        torch.cuda.set_device(rank)
-    dist.init_process_group("gloo" if device == "cpu" else "nccl", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=WORLD)
+    backend, device = MODES[mode]
+    dev = torch.device("cuda", rank if backend == "nccl" else 0) if device == "cuda" else torch.device("cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
-        _run(rank, out, torch.device(device, rank) if device == "cuda" else torch.device(device))
+        _run(rank, out, dev)
     finally:
         dist.destroy_process_group()
 
@@ -87,9 +95,14 @@ def _run(rank: int, out: str, dev: torch.device) -> None:
     from compile_backend.quantize import AWQLinear, W8A8Linear
     from compile_backend.tensor_parallel import RowParallelLinear, tensor_parallel
 
+    if dev.type == "cuda":  # the fused ops must run the CUDA kernels, never quietly the references
+        from conftest import load_cuda_kernels
+
+        load_cuda_kernels()
     res = {}
     ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1)).to(dev)
-    model = _model().to(dev)
+    hidden, intermediate = res["sizes"] = SIZES[dev.type]
+    model = _model(hidden, intermediate).to(dev)
     full = {name: {k: v.clone() for k, v in m.state_dict().items()} for name, m in model.named_modules()
             if isinstance(m, (W8A8Linear, AWQLinear))}
     with torch.no_grad():
@@ -146,8 +159,10 @@ def _run(rank: int, out: str, dev: torch.device) -> None:
 
 
 @pytest.fixture(scope="module", params=[
-    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(torch.cuda.device_count() < WORLD,
-                                                         reason=f"needs {WORLD} CUDA GPUs"))])
+    "cpu",
+    pytest.param("cuda-shared", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")),
+    pytest.param("cuda-nccl", marks=pytest.mark.skipif(torch.cuda.device_count() < WORLD,
+                                                       reason=f"needs {WORLD} CUDA GPUs"))])
 def tp_results(request, tmp_path_factory):
     import torch.multiprocessing as mp
 
@@ -183,9 +198,9 @@ def test_outputs_match_unsharded_model(tp_results):
 
 def test_shards_follow_their_weights(tp_results):
     for rank, res in enumerate(tp_results):
-        assert res["shapes"] == dict(q=(HIDDEN // WORLD, HIDDEN), o=(HIDDEN, HIDDEN // WORLD),
-                                     gate=(HIDDEN, INTERMEDIATE // WORLD // 8),
-                                     down=(INTERMEDIATE // WORLD, HIDDEN // 8)), (rank, res["shapes"])
+        h, i = res["sizes"]
+        assert res["shapes"] == dict(q=(h // WORLD, h), o=(h, h // WORLD), gate=(h, i // WORLD // 8),
+                                     down=(i // WORLD, h // 8)), (rank, res["shapes"])
         assert res["q_follow"] and res["down_follow"], rank
 
 
