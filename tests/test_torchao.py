@@ -249,6 +249,14 @@ def fp8_accumulation(model, x) -> torch.Tensor:
     return x.shape[-1] * 2.0**-24 * (1 + 2.0**-3) * model.abs_products(x)
 
 
+def test_fp8_rowwise_2d_input_and_dynamic_batch(fp8_on_cpu):
+    model = fp8_model(torch.bfloat16, PerRow())
+    x = torch.randn(7, K, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(9))
+    r = apply_passes(model, x, dynamic=True)
+    assert_all_fused(r, 3)
+    check_source_bound(r.output, r.expected, model.bias(), torch.float32, fp8_accumulation(model, x))
+
+
 # --------------------------------------------------------------------------- near-misses
 
 M, N = 16, 16  # square, so that a scale on the wrong axis still broadcasts
