@@ -351,6 +351,38 @@ def test_scaled_mm_the_op_cannot_take_is_not_fused(case):
 # --------------------------------------------------------------------------- end to end (CPU)
 
 
+class TorchaoAndE5M2(torch.nn.Module):
+    """A torchao int8 linear (fused) and a ``torch._scaled_mm`` on float8_e5m2 (the op takes e4m3 only)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(K, N).to(torch.bfloat16)
+        quantize_(self.lin, Int8DynamicActivationInt8WeightConfig())
+        self.register_buffer("w8", (torch.randn(N, N) * 3).to(torch.float8_e5m2))
+
+    def forward(self, x):
+        h = self.lin(x)
+        s = h.abs().amax(-1, keepdim=True).float() / 57344
+        q = (h.float() / s).to(torch.float8_e5m2)
+        return torch._scaled_mm(q, self.w8.t(), s, torch.ones(1, N), out_dtype=torch.bfloat16)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("int8_path", ["u8s8"], indirect=True)
+def test_explain_reports_torchao_forms(int8_path):
+    import compile_backend
+
+    x = torch.randn(4, K, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(10))
+    with torch.no_grad():
+        report = compile_backend.explain(TorchaoAndE5M2(), x)
+    (fused,) = report.fused
+    assert (fused.family, fused.form) == ("scaled_mm", "int_mm-u8-rounded"), report
+    assert "rounds once where the source rounds to bfloat16 between the scales" in fused.detail
+    (unfused,) = report.unfused
+    assert unfused.target == "_scaled_mm.default" and "expected float8_e4m3fn" in unfused.reason, report
+
+
 def _compile_and_run(model, x):
     torch._dynamo.reset()
     with torch.no_grad(), collecting_report() as report:
