@@ -263,11 +263,18 @@ def _prove_real(sub: Subgraph, roles: _Roles, K: int, N: int, dtype) -> str | No
             tried.append(f"and the weight has more than {dequant_probe.REAL_SIZE_LIMIT} elements")
             break
         k, c, g = sizes(K), sizes(C), sizes(groups)
-        try:
-            return dequant_probe.run_probes(sub, roles.by_name(), _probes(sub, k, c, g, dtype),
-                                            _reference(k // g), sizes)
-        except dequant_probe.ProbeMismatch as exc:
-            tried.append(str(exc))
+        verdicts = []
+        # Index arithmetic such as ``arange(K) // G`` is read with its literals as sizes, or as values.
+        for map_values in ((False, True) if not sizes.identity else (False,)):
+            try:
+                verdicts.append(dequant_probe.run_probes(sub, roles.by_name(), _probes(sub, k, c, g, dtype),
+                                                         _reference(k // g), sizes, map_values))
+            except dequant_probe.ProbeMismatch as exc:
+                tried.append(str(exc))
+            if verdicts and verdicts[-1] is None:
+                return None
+        if verdicts:
+            return verdicts[0]
     return f"the weight cannot be evaluated on probes: {'; '.join(tried)}"
 
 
@@ -306,12 +313,27 @@ class _Fusion:
     detail: str
 
 
+def _gathered_dim(n: Node) -> int | None:
+    """The dimension a gather node indexes (from the end: -1 is the last), if it says."""
+    t = tensor_val(n.args[0])
+    if t is None:
+        return None
+    if n.target is aten.index.Tensor:
+        dim = next((i for i, a in enumerate(n.args[1]) if a is not None), None)
+    else:
+        dim = n.args[1]
+    return None if dim is None else (dim % t.dim()) - t.dim()
+
+
 def _form(sub: Subgraph) -> str:
-    targets = sub.targets()
-    if targets & dequant_probe.GATHERS:
-        return "autoawq_reorder"
-    if targets & {aten.stack.default, aten.cat.default}:
+    """The report's name for how the dequantization is written."""
+    gathers = [n for n in sub.nodes if n.target in dequant_probe.GATHERS]
+    if any(_gathered_dim(n) == -1 for n in gathers):
+        return "autoawq_reorder"  # columns reordered by a gather
+    if sub.targets() & {aten.stack.default, aten.cat.default}:
         return "nibble_stack"
+    if gathers:
+        return "group_index"  # rows gathered by a group index
     return "awq_shift_table"
 
 

@@ -27,7 +27,12 @@ small values of the same quantities: each literal int that equals a product of
 quantities is replaced by that product of the small values, the others are
 kept.  The small values are chosen so that two such products are equal at the
 small values exactly when they are equal at the real ones, so the replacement
-is well defined.  Every evaluated node's shape must then be the image of its
+is well defined.  A literal in an index computation (``arange(K) // G``) is a
+value, not a size argument; a family may evaluate once with such values mapped
+the same way (``map_values``) and once without (a shift table ``arange(8) * 4``
+must keep its 4).  Since the small values keep the products distinct that are
+distinct at the real sizes, a literal naming the wrong quantity stays wrong at
+the small sizes.  Every evaluated node's shape must then be the image of its
 real shape (``ProbeMismatch`` otherwise: a size written some other way, a
 constant tensor of a real size); a family falls back to the real sizes when
 they are small enough (``REAL_SIZE_LIMIT``).
@@ -56,6 +61,7 @@ ELEMENTWISE = {
     aten.__lshift__.Scalar, aten.__lshift__.Tensor, aten.bitwise_left_shift.Tensor,
     aten.bitwise_left_shift.Tensor_Scalar,
     aten.floor_divide.default, aten.floor_divide.Scalar, aten.remainder.Scalar, aten.remainder.Tensor,
+    aten.div.Tensor, aten.div.Scalar, aten.div.Tensor_mode, aten.div.Scalar_mode,
     aten.sub.Tensor, aten.sub.Scalar, aten.rsub.Scalar, aten.rsub.Tensor, aten.add.Tensor, aten.add.Scalar,
     aten.mul.Tensor, aten.mul.Scalar, aten.neg.default,
 }
@@ -283,9 +289,12 @@ def _cpu(v):
     return torch.device("cpu") if isinstance(v, torch.device) else v
 
 
-def evaluate(sub: Subgraph, feeds: Mapping[Node, torch.Tensor], sizes: SizeMap) -> torch.Tensor:
+def evaluate(sub: Subgraph, feeds: Mapping[Node, torch.Tensor], sizes: SizeMap,
+             map_values: bool = False) -> torch.Tensor:
     """``sub.root`` computed from ``feeds`` (a value for every input and for any constant to replace)
-    on CPU, with the size arguments mapped by ``sizes``.
+    on CPU, with the size arguments mapped by ``sizes``.  ``map_values``: integer operands of the
+    elementwise ops of index computations (nodes that depend on no fed value, e.g. the ``// G`` of
+    ``arange(K) // G``) are mapped too.
 
     Raises ``ProbeMismatch`` when a node's result does not have the dtype and (mapped) shape of the
     node in the graph, or an op fails.
@@ -293,6 +302,7 @@ def evaluate(sub: Subgraph, feeds: Mapping[Node, torch.Tensor], sizes: SizeMap) 
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     env: dict[Node, torch.Tensor] = {}
+    variable = sub.depending_on(list(feeds)) if map_values else set()
     for n in sub.inputs:
         env[n] = feeds[n]
     # A constant fed as a role is fed wherever the graph reads it (get_attr nodes of one target).
@@ -315,6 +325,8 @@ def evaluate(sub: Subgraph, feeds: Mapping[Node, torch.Tensor], sizes: SizeMap) 
             kwargs = dict(torch.fx.node.map_aggregate(dict(n.kwargs), arg))
             if not sizes.identity:
                 args, kwargs = _resize_args(n, args, kwargs, sizes)
+                if map_values and n.target in ELEMENTWISE and n not in variable:
+                    args = [sizes(a) for a in args]
             try:
                 out = n.target(*args, **kwargs)
             except Exception as exc:  # an op that cannot run on the probe's sizes
@@ -338,14 +350,14 @@ class Probe:
 
 
 def run_probes(sub: Subgraph, roles: Mapping[str, Node], probes, reference: Callable[..., torch.Tensor],
-               sizes: SizeMap) -> str | None:
+               sizes: SizeMap, map_values: bool = False) -> str | None:
     """Evaluate ``sub`` on each probe (``roles``: role name -> leaf node); None if every result equals
     ``reference(**probe.inputs)`` exactly, else the first failing probe's explanation.
 
     Raises ``ProbeMismatch`` when the subgraph cannot be evaluated at ``sizes``.
     """
     for probe in probes:
-        got = evaluate(sub, {roles[r]: t for r, t in probe.inputs.items()}, sizes)
+        got = evaluate(sub, {roles[r]: t for r, t in probe.inputs.items()}, sizes, map_values)
         want = reference(**probe.inputs)
         if got.dtype != want.dtype or got.shape != want.shape:
             return f"the weight is {got.dtype}{list(got.shape)} where the dequantization gives " \

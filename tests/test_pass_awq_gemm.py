@@ -491,6 +491,26 @@ class StackAWQLinear(nn.Module):
         return x @ self.weight() + self.bias
 
 
+class GroupIndexAWQLinear(nn.Module):
+    """Groups expanded by gathering rows with a group index ``arange(K) // G`` (the ``g_idx`` of
+    GPTQ-style code): ``index_select`` for the zero points, ``scales[g_idx]`` for the scales.
+    ``divisor`` replaces G in the index (a near miss)."""
+
+    def __init__(self, awq: AWQLinear, divisor=None):
+        super().__init__()
+        for name in ("qweight", "qzeros", "scales", "bias"):
+            self.register_buffer(name, getattr(awq, name))
+        self.divisor = divisor or awq.group_size
+
+    def forward(self, x):
+        from compile_backend.ops import awq_unpack
+
+        g_idx = torch.arange(self.qweight.shape[0], device=x.device) // self.divisor
+        s = self.scales[g_idx]
+        w = (awq_unpack(self.qweight) - awq_unpack(self.qzeros).index_select(0, g_idx)).to(s.dtype) * s
+        return x @ w + self.bias
+
+
 SEMANTIC_FORMS = {
     "transformers-torch-awq": (TorchAwqLinear, "autoawq_reorder"),
     "stack-view-broadcast": (StackAWQLinear, "nibble_stack"),
@@ -542,6 +562,23 @@ def test_semantic_near_miss(case):
     kw, reason = SEMANTIC_NEAR_MISSES[case]
     assert_left_alone(trace(StackAWQLinear(awq_params(64, torch.float16, bias=True), **kw),
                             activations(3, torch.float16)), reason)
+
+
+@pytest.mark.parametrize(("divisor", "reason"), [
+    (None, None), (128, "the zero points are read from another column or group")])
+def test_group_index_arithmetic_probed_at_small_sizes(monkeypatch, divisor, reason):
+    """``arange(K) // G`` holds G as a value: probed at small sizes (the real sizes are not allowed
+    here), its literal is read as the group size there; ``// 2G`` stays a near miss."""
+    from compile_backend.passes import awq_gemm, dequant_probe
+
+    monkeypatch.setattr(dequant_probe, "REAL_SIZE_LIMIT", 0)
+    monkeypatch.setattr(awq_gemm, "_VERDICTS", {})
+    t = trace(GroupIndexAWQLinear(awq_params(64, torch.float16, bias=True), divisor), activations(3, torch.float16))
+    if reason is None:
+        assert t.count(AWQ_GEMM) == 1 and [f.form for f in t.report.fused] == ["group_index"]
+        assert_output_close(t.output, t.expected)
+    else:
+        assert_left_alone(t, reason)
 
 
 def test_zero_point_from_the_wrong_column():
