@@ -373,7 +373,7 @@ def register_lowering() -> None:
     from torch._inductor.lowering import register_lowering as _register
     from torch._inductor.virtualized import V
 
-    fallback = fallback_handler(CONCAT, add_to_fallback_set=False)
+    fallback = fallback_handler(CONCAT)
 
     @_register(CONCAT, type_promotion_kind=None)
     def _concat_weights(*args, **kwargs):
