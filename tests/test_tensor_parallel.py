@@ -6,8 +6,8 @@ AWQ g32, biases on every linear), sharded with
 Both ranks run one spawn (``tp_results``: one compile per process, the bulk of the time) and report;
 the tests check what they reported:
 
-* every sharded linear of the compiled graph is fused on both ranks and the graph holds the
-  row-parallel all-reduces;
+* every sharded linear of the compiled graph (dynamic shapes: one graph serves two input shapes) is
+  fused on both ranks and the graph holds the row-parallel all-reduces;
 * the logits equal the unsharded eager model's (the same on both ranks); the row-parallel bias is
   added once (a bias added on each rank would be off by the bias, far beyond the tolerance);
 * the shards' buffers follow their weights; an AWQ group across two shards raises, naming the layer,
@@ -136,6 +136,8 @@ def _run(rank: int, out: str, dev: torch.device) -> None:
                           and torch.equal(down.bias, f["bias"]) and down.local.bias is None)
     with torch.no_grad():
         res["sharded"] = model(ids, use_cache=False).logits.float().cpu()
+        other = torch.randint(0, VOCAB, (3, 13), generator=torch.Generator().manual_seed(2)).to(dev)
+        res["sharded_other"] = model(other, use_cache=False).logits.float().cpu()
 
     torch._dynamo.reset()
     counters.clear()
@@ -144,8 +146,10 @@ def _run(rank: int, out: str, dev: torch.device) -> None:
 
     with collecting_report() as report, torch._functorch.config.patch(enable_autograd_cache=False), \
             torch._inductor.config.patch(fx_graph_cache=False, compile_threads=1), torch.no_grad():
-        compiled = torch.compile(model, backend="quantfuse")
+        compiled = torch.compile(model, backend="quantfuse", dynamic=True)
         logits, code = run_and_get_code(lambda: compiled(ids, use_cache=False).logits)
+        # another batch and length through the same dynamic graph (a recompile would count a graph)
+        res["compiled_other"] = compiled(other, use_cache=False).logits.float().cpu()
     res["compiled"] = logits.float().cpu()
     res["graphs"] = counters["stats"]["unique_graphs"]
     res["fused"] = [f"{r.family} ({r.form})" for r in report.fused]
@@ -192,6 +196,8 @@ def test_outputs_match_unsharded_model(tp_results):
         assert _rel(res["sharded"], ref) < TOL_SHARDED, (rank, _rel(res["sharded"], ref))
         assert _rel(res["compiled"], res["sharded"]) < TOL_COMPILED, (rank, _rel(res["compiled"], res["sharded"]))
         assert _rel(res["compiled"], ref) < TOL_SHARDED + TOL_COMPILED, (rank, _rel(res["compiled"], ref))
+        err = _rel(res["compiled_other"], res["sharded_other"])
+        assert err < TOL_COMPILED, (rank, "dynamic shapes: batch 3, length 13", err)
     # the ranks' outputs are replicated after the last all-reduce
     assert _rel(tp_results[1]["compiled"], tp_results[0]["compiled"]) < 1e-6
 
