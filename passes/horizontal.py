@@ -208,11 +208,13 @@ def _member(node: Node, operands: tuple[Operand, ...]) -> Member:
                 raise NotMergeable(f"'{op.name}' of {node.name} is not the transpose of a weight")
             parts[op.name] = _root(x.args[0], f"'{op.name}' of {node.name}")
             if parts[op.name] is not x.args[0]:
-                raise NotMergeable(f"'{op.name}' of {node.name} transposes a view of a weight")
+                raise NotMergeable(f"'{op.name}' of {node.name} transposes a view of a weight (a view made "
+                                   "on every call cannot key the cached concatenation)")
         elif op.role in ("rows", "cols"):
             parts[op.name] = x if _is_input(x) else _root(x, f"'{op.name}' of {node.name}")
             if parts[op.name] is not x:
-                raise NotMergeable(f"'{op.name}' of {node.name} is a view of a weight")
+                raise NotMergeable(f"'{op.name}' of {node.name} is a view of a weight (a view made on every "
+                                   "call cannot key the cached concatenation)")
         elif op.role == "vector":
             if x is None:
                 parts[op.name] = None
