@@ -172,10 +172,13 @@ def shard_linear(module: nn.Module, style: str, group: dist.ProcessGroup, name: 
     if style not in (COLWISE, ROWWISE):
         raise ValueError(f"tensor_parallel: layer {name!r}: style {style!r}; expected {COLWISE!r} or {ROWWISE!r}")
     sharder = next((fn for cls, fn in _SHARDERS if isinstance(module, cls)), None)
-    if sharder is None:
-        raise TypeError(f"tensor_parallel: layer {name!r} is a {type(module).__name__}; expected W8A8Linear, "
+    if sharder is None or getattr(module, "_tp_shard", None) is not None:
+        what = "already a shard" if sharder is not None else f"a {type(module).__name__}"
+        raise TypeError(f"tensor_parallel: layer {name!r} is {what}; expected an unsharded W8A8Linear, "
                         "AWQLinear or nn.Linear")
-    local, bias = sharder(module, name, style, dist.get_rank(group), dist.get_world_size(group))
+    rank, ranks = dist.get_rank(group), dist.get_world_size(group)
+    local, bias = sharder(module, name, style, rank, ranks)
+    local._tp_shard = (style, rank, ranks)  # this rank's part of a layer: sharding it again is an error
     return local if style == COLWISE else RowParallelLinear(local, bias, group)
 
 

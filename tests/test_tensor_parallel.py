@@ -11,7 +11,7 @@ the tests check what they reported:
 * the logits equal the unsharded eager model's (the same on both ranks); the row-parallel bias is
   added once (a bias added on each rank would be off by the bias, far beyond the tolerance);
 * the shards' buffers follow their weights; an AWQ group across two shards raises, naming the layer,
-  the group size and the shard size, and leaves the model unchanged.
+  the group size and the shard size, and leaves the model unchanged; so does sharding a model twice.
 """
 
 from __future__ import annotations
@@ -120,6 +120,13 @@ def _run(rank: int, out: str, dev: torch.device) -> None:
 
     tensor_parallel(model)
     layer = model.model.layers[0]
+    q_shard = layer.self_attn.q_proj
+    try:
+        tensor_parallel(model)
+        res["twice"] = None
+    except TypeError as exc:
+        res["twice"] = str(exc)
+    res["twice_unchanged"] = layer.self_attn.q_proj is q_shard
     o, gate = layer.self_attn.o_proj, layer.mlp.gate_proj
     assert isinstance(o, RowParallelLinear) and isinstance(layer.mlp.down_proj, RowParallelLinear)
     res["shapes"] = dict(q=tuple(layer.self_attn.q_proj.weight.shape), o=tuple(o.local.weight.shape),
@@ -216,3 +223,10 @@ def test_awq_group_across_shards_raises(tp_results):
         assert msg is not None, f"rank {rank}: no error for an AWQ group across two shards"
         assert "'proj'" in msg and "group size 32" in msg and "48 input features" in msg, msg
         assert res["straddle_unchanged"], rank
+
+
+def test_sharding_twice_raises(tp_results):
+    for rank, res in enumerate(tp_results):
+        msg = res["twice"]
+        assert msg is not None and "already a shard" in msg and "q_proj" in msg, (rank, msg)
+        assert res["twice_unchanged"], rank
