@@ -123,15 +123,16 @@ def main():
 
 
 def sweep(shapes, ms, dtype, gen):
-    """µs of the decode kernel per forced (warps, splits, L2 hint), next to the automatic choice (-1s)."""
+    """µs of the decode kernel per forced (warps, splits, batch), next to the automatic choice (-1s)."""
     ops = torch.ops.quantfuse
     for N, K in shapes:
         for M in ms:
             sets = [make_set(M, N, K, dtype, gen) for _ in range(copies_for(N * K))]
             line = {}
-            for warps, splits, hint in ((-1, -1, -1), (8, 1, 0), (8, 1, 1), (4, 1, 0), (4, 1, 1), (8, 2, 1)):
-                line[f"w{warps}s{splits}h{hint}"] = round(
-                    rotating([lambda c=c: ops._w8a16_decode_cuda(*c, splits, warps, hint) for c in sets]), 2)
+            big = 4 if M <= 8 else 2
+            for warps, splits, batch in ((-1, -1, -1), (8, 1, big), (4, 1, -1), (4, 1, big), (8, 2, big)):
+                line[f"w{warps}s{splits}b{batch}"] = round(
+                    rotating([lambda c=c: ops._w8a16_decode_cuda(*c, splits, warps, batch) for c in sets]), 2)
             print(json.dumps({"N": N, "K": K, "M": M, **line}), flush=True)
 
 

@@ -87,19 +87,19 @@ def test_llama_shapes(M, N, K):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
-@pytest.mark.parametrize("hint", (0, 1))
+@pytest.mark.parametrize("batch", (-1, 2, 4))
 @pytest.mark.parametrize("warps", (1, 4, 8))
 @pytest.mark.parametrize("splits", (1, 2, 8))
-def test_decode_kernel_work_splits(splits, warps, hint, dtype):
-    """The decode kernel itself with every forced work split and load hint (clusters on sm_90
+def test_decode_kernel_work_splits(splits, warps, batch, dtype):
+    """The decode kernel itself with every forced work split and load batching (clusters on sm_90
     only), M past one slice of 16 tokens for float16 / bfloat16."""
     ms = (1, 3, 8, 9, 16) if dtype == torch.float32 else (1, 3, 9, 16, 17, 40, 100)
     for i, M in enumerate(ms):
         x, w, s, b = make(M, 48, 4096 + 64 * i + 16, dtype, seed=splits * 100 + warps * 10 + i)
         poison(M * 48, dtype)
-        out = torch.ops.quantfuse._w8a16_decode_cuda(x, w, s, b, splits, warps, hint)
+        out = torch.ops.quantfuse._w8a16_decode_cuda(x, w, s, b, splits, warps, batch)
         torch.cuda.synchronize()
-        check(out, x, w, s, b, f"splits={splits} warps={warps} hint={hint} M={M}")
+        check(out, x, w, s, b, f"splits={splits} warps={warps} batch={batch} M={M}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)

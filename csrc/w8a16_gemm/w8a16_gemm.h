@@ -49,7 +49,8 @@ struct DecodeConfig {
   int splits = 1;           // CTAs of one cluster along K (1: no cluster)
   int warps = 8;            // warps per CTA, each a K partition
   int chunks_per_part = 1;  // K chunks per (CTA, warp) partition
-  bool l2_hint = true;      // weight loads with the L2::256B prefetch-size hint
+  int batch = 0;            // chunks per load batch: 0 = double-buffered default, 4 (M <= 8) /
+                            // 2 (M > 8) = one batch of twice the size at a time
 };
 
 // The work split for an N x K weight on a GPU with `sms` SMs: 8 warps per CTA splitting K
@@ -57,7 +58,7 @@ struct DecodeConfig {
 // warps fill less than half of the resident warp slots, a cluster of CTAs per row tile splitting
 // K further so that every SM streams.  `splits` / `warps` > 0 force them (tests, benchmarks).
 inline DecodeConfig choose_config(int64_t M, int64_t N, int64_t K, int sms, bool clusters, int splits = -1,
-                                  int warps = -1, int l2_hint = -1) {
+                                  int warps = -1, int batch = -1) {
   const int64_t chunks = (K + kChunk - 1) / kChunk;
   const int64_t tiles = (N + kRowsPerWarp - 1) / kRowsPerWarp * ((std::max<int64_t>(M, 1) + kMaxM - 1) / kMaxM);
   DecodeConfig c;
@@ -73,7 +74,7 @@ inline DecodeConfig choose_config(int64_t M, int64_t N, int64_t K, int sms, bool
   c.splits = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(c.splits, chunks / c.warps)));
   const int64_t parts = int64_t(c.splits) * c.warps;
   c.chunks_per_part = static_cast<int>(std::max<int64_t>(1, (chunks + parts - 1) / parts));
-  if (l2_hint >= 0) c.l2_hint = l2_hint != 0;
+  if (batch > 0) c.batch = batch;
   return c;
 }
 

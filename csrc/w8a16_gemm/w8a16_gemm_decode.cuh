@@ -4,8 +4,8 @@
 // [N, K] is the A operand of mma.sync m16n8k16 (16 output channels per m16 tile), the tokens
 // the B operand (8 per n8 tile; M <= 8 one tile, M <= 16 two).  Lane (g = lane / 4,
 // t = lane % 4) loads 16 contiguous weight bytes of rows g and g + 8 at k = c*64 + 16t
-// (16-byte, evict-first loads: the weight is read once) and the same 16 activations of token g
-// of each n8 tile.  The fragments want logical k {2t, 2t+1} and {2t+8, 2t+9}; the four mma of a
+// (16-byte evict-first loads with the L2::256B prefetch-size hint: the weight is read once) and
+// the same 16 activations of token g of each n8 tile.  The fragments want logical k {2t, 2t+1} and {2t+8, 2t+9}; the four mma of a
 // 64-element chunk take the lane's elements 4i..4i+3 as those (mma i): logical 2t+e <->
 // physical 16t+4i+e, 2t+8+e <-> 16t+4i+2+e.  Weights and activations use the same map, so the
 // dot products are unchanged and no repack is needed.  int8 -> float16 exactly: the biased
@@ -144,7 +144,7 @@ struct Batch {
   uint4 x[kBatch][NT][2];
 };
 
-template <class T, int NT, int kBatch, bool kL2Hint, class Epi>
+template <class T, int NT, int kBatch, bool kDouble, class Epi>
 __global__ void __launch_bounds__(kMaxWarps * 32, 2) w8a16_decode_mma_kernel(const DecodeArgs args, const Epi epi) {
   extern __shared__ __align__(16) uint8_t smem[];
   constexpr int kTokens = 8 * NT;
@@ -180,8 +180,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 2) w8a16_decode_mma_kernel(con
       const int64_t k0 = int64_t(cc) * kChunk;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        if constexpr (kL2Hint) bt.w[u][h] = ok ? ld_stream_l2_256(wrow[h] + k0) : zero;
-        else bt.w[u][h] = ok ? ld_stream(wrow[h] + k0) : zero;
+        bt.w[u][h] = ok ? ld_stream_l2_256(wrow[h] + k0) : zero;
       }
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
@@ -217,13 +216,21 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 2) w8a16_decode_mma_kernel(con
     }
   };
 
-  Batch<kBatch, NT> b0, b1;
-  load(b0, c0);
-  for (int c = c0; c < c_end; c += 2 * kBatch) {
-    load(b1, c + kBatch);
-    use(b0, c);
-    load(b0, c + 2 * kBatch);
-    use(b1, c + kBatch);
+  if constexpr (kDouble) {  // the next batch in flight while this one feeds the mma
+    Batch<kBatch, NT> b0, b1;
+    load(b0, c0);
+    for (int c = c0; c < c_end; c += 2 * kBatch) {
+      load(b1, c + kBatch);
+      use(b0, c);
+      load(b0, c + 2 * kBatch);
+      use(b1, c + kBatch);
+    }
+  } else {  // one larger batch at a time; the other resident warps keep DRAM busy meanwhile
+    for (int c = c0; c < c_end; c += kBatch) {
+      Batch<kBatch, NT> b;
+      load(b, c);
+      use(b, c);
+    }
   }
 
   // C fragment of tile j: c0, c1 at channel g, tokens 8j + 2t + {0, 1}; c2, c3 at channel g + 8.
@@ -381,7 +388,7 @@ inline int launch_status(cudaError_t err, int* cuda_error) {
   return kOk;
 }
 
-template <class T, int NT, int kBatch, bool kL2Hint, class Epi>
+template <class T, int NT, int kBatch, bool kDouble, class Epi>
 int launch_mma(const Params& p, const DecodeConfig& c, const Epi& epi, int* cuda_error) {
   DecodeArgs args;
   args.x = static_cast<const uint8_t*>(p.x);
@@ -401,7 +408,7 @@ int launch_mma(const Params& p, const DecodeConfig& c, const Epi& epi, int* cuda
   const ClusterLaunch launch(dim3(static_cast<unsigned>(row_blocks) * c.splits, 1, 1), dim3(32 * c.warps, 1, 1),
                              static_cast<size_t>(smem), static_cast<cudaStream_t>(p.stream), c.splits);
   return launch_status(
-      cudaLaunchKernelEx(&launch.cfg, w8a16_decode_mma_kernel<T, NT, kBatch, kL2Hint, Epi>, args, epi), cuda_error);
+      cudaLaunchKernelEx(&launch.cfg, w8a16_decode_mma_kernel<T, NT, kBatch, kDouble, Epi>, args, epi), cuda_error);
 }
 
 template <class T, class S>
@@ -415,10 +422,13 @@ int launch_decode_typed(const Params& p, const DecodeConfig& c, int* cuda_error)
         static_cast<int>(p.K), p.ldx, p.ldw, p.ldy, epi);
     return launch_status(cudaSuccess, cuda_error);
   } else {
-    // Batches of 2 chunks for one token tile, 1 for two, so that both buffers fit 128 registers.
-    if (c.l2_hint)
-      return p.M > 8 ? launch_mma<T, 2, 1, true>(p, c, epi, cuda_error) : launch_mma<T, 1, 2, true>(p, c, epi, cuda_error);
-    return p.M > 8 ? launch_mma<T, 2, 1, false>(p, c, epi, cuda_error) : launch_mma<T, 1, 2, false>(p, c, epi, cuda_error);
+    // Register budget 128 (16 warps per SM): double-buffered batches of 2 chunks for one token
+    // tile, of 1 for two (default); or single batches of twice that (c.batch).
+    if (p.M > 8)
+      return c.batch == 2 ? launch_mma<T, 2, 2, false>(p, c, epi, cuda_error)
+                          : launch_mma<T, 2, 1, true>(p, c, epi, cuda_error);
+    return c.batch == 4 ? launch_mma<T, 1, 4, false>(p, c, epi, cuda_error)
+                        : launch_mma<T, 1, 2, true>(p, c, epi, cuda_error);
   }
 }
 

@@ -79,7 +79,7 @@ void check_status(int status, int cuda_error, const char* what) {
 }  // namespace
 
 at::Tensor w8a16_decode_cuda(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_scale,
-                             const std::optional<at::Tensor>& bias, int64_t splits, int64_t warps, int64_t l2_hint) {
+                             const std::optional<at::Tensor>& bias, int64_t splits, int64_t warps, int64_t batch) {
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor y = at::empty({x.size(0), w_q.size(0)}, x.options());
   const w8a16::Params p = params(x, w_q, w_scale, bias, y);
@@ -95,7 +95,7 @@ at::Tensor w8a16_decode_cuda(const at::Tensor& x, const at::Tensor& w_q, const a
   const int dev = x.device().index();
   const auto* props = at::cuda::getDeviceProperties(dev);
   const auto c = w8a16::choose_config(p.M, p.N, p.K, sm_count(dev, props->multiProcessorCount), props->major >= 9,
-                                      static_cast<int>(splits), static_cast<int>(warps), static_cast<int>(l2_hint));
+                                      static_cast<int>(splits), static_cast<int>(warps), static_cast<int>(batch));
   int err = 0;
   check_status(w8a16::launch_decode(p, c, &err), err, "decode");
   return y;
@@ -129,7 +129,7 @@ at::Tensor w8a16_prefill_cuda(const at::Tensor& x, const at::Tensor& w_q, const 
 
 TORCH_LIBRARY_FRAGMENT(quantfuse, m) {
   m.def("_w8a16_decode_cuda(Tensor x, Tensor w_q, Tensor w_scale, Tensor? bias=None, int splits=-1, "
-        "int warps=-1, int l2_hint=-1) -> Tensor");
+        "int warps=-1, int batch=-1) -> Tensor");
   m.def("_w8a16_prefill_cuda(Tensor x, Tensor w_q, Tensor w_scale, Tensor? bias=None) -> Tensor");
 }
 
