@@ -111,7 +111,7 @@ def _weight_t(scaled: bool):
 
 
 def patterns():
-    """Every (form, pattern) of forms 4a and 4b."""
+    """Every (form, pattern) of forms 4a, 4b and 4c."""
     x, s = KeywordArg("x"), KeywordArg("s")
     for wt in _weight_t(scaled=False):
         mm = CallFunction(aten.mm.default, x, wt)
