@@ -49,10 +49,13 @@ def tiny_llama(hidden=128, intermediate=256, dtype=torch.float32, device="cpu"):
     return transformers.LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
 
 
-def compile_run(model, inputs: tuple, horizontal: bool, **kw):
-    """(compiled callable, its first result, the generated code, the report)."""
+def compile_run(model, inputs: tuple, horizontal: bool, cudagraphs: bool = False):
+    """(compiled callable, its first result, the generated code, the report).  ``cudagraphs``:
+    Inductor's CUDA graphs, as mode="reduce-overhead" gives them (torch.compile takes a mode or
+    options, not both)."""
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend="quantfuse", options={"horizontal": horizontal, **CACHES_OFF}, **kw)
+    options = {"horizontal": horizontal, **CACHES_OFF, **({"triton.cudagraphs": True} if cudagraphs else {})}
+    compiled = torch.compile(model, backend="quantfuse", options=options)
     with collecting_report() as report, torch._functorch.config.patch(enable_autograd_cache=False):
         out, code = run_and_get_code(compiled, *inputs)
     return compiled, out, "\n".join(code), report
@@ -267,10 +270,10 @@ def test_llama_merged_cuda_graphs(scheme):
     ids = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(1)).cuda()
     with torch.no_grad():
         eager = model(ids).logits
-        _, plain, plain_code, _ = compile_run(model, (ids,), horizontal=False, mode="reduce-overhead")
+        _, plain, plain_code, _ = compile_run(model, (ids,), horizontal=False, cudagraphs=True)
         plain = plain.logits.clone()
         torch.ops.quantfuse._derived_cache_clear()
-        compiled, first, code, report = compile_run(model, (ids,), horizontal=True, mode="reduce-overhead")
+        compiled, first, code, report = compile_run(model, (ids,), horizontal=True, cudagraphs=True)
         first = first.logits.clone()
         made = torch.ops.quantfuse._derived_cache_stats()[0]
         later = [compiled(ids).logits.clone() for _ in range(3)]
