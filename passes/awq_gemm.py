@@ -46,7 +46,6 @@ all evaluated alike, so the graph the post-grad slots see (after
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import torch
@@ -63,7 +62,16 @@ from compile_backend.ops import AWQ_ACT_DTYPES, AWQ_PACK, AWQ_SHIFTS, awq_dequan
 
 from . import dequant_probe
 from .dequant_probe import Probe, SizeMap, Subgraph
-from .fx_helpers import VIEWS, Plan, Reject, is_backward, no_alpha, register_checked, static_shape, tensor_val
+from .fx_helpers import (
+    Plan,
+    Reject,
+    bias_add_patterns,
+    is_backward,
+    no_alpha,
+    register_checked,
+    static_shape,
+    tensor_val,
+)
 
 aten, prims = torch.ops.aten, torch.ops.prims
 
@@ -440,16 +448,6 @@ def _awq_call(with_none: bool) -> PatternExpr:
     return CallFunction(torch.ops.quantfuse.awq_gemm.default, *args, *([None] if with_none else []))
 
 
-def _bias_patterns():
-    """(pattern, 3-D) pairs: ``awq_gemm(...) + bias`` with the bias on either side, with or without a view."""
-    for with_none, view, bias_first in itertools.product((False, True), repeat=3):
-        y = _awq_call(with_none)
-        if view:
-            y = CallFunction(VIEWS, y, KeywordArg("out_shape"))
-        bias = KeywordArg("bias")
-        yield CallFunction(aten.add.Tensor, *((bias, y) if bias_first else (y, bias))), view
-
-
 def _bias_check(match: Match) -> bool:
     add = match.output_node()
     b, y, x = tensor_val(match.kwargs["bias"]), tensor_val(add), tensor_val(match.kwargs["x"])
@@ -486,5 +484,5 @@ def register(passes: dict) -> None:
         target = passes[slot]
         for pattern in _matmul_patterns():
             register_checked(pattern, target, FAMILY, None, _plan)
-        for pattern, view in _bias_patterns():
+        for pattern, view in bias_add_patterns(_awq_call(with_none) for with_none in (False, True)):
             register_graph_pattern(pattern, extra_check=_bias_check, pass_dict=target)(_make_bias_handler(view))

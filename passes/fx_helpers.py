@@ -292,6 +292,18 @@ def as_bias_vector(bias):
     return bias if bias is None or bias.dim() == 1 else bias.reshape(-1)
 
 
+def bias_add_patterns(op_calls) -> Iterator[tuple[PatternExpr, bool]]:
+    """(pattern, viewed) pairs: ``op_call [.view(shape)] + bias`` for each of ``op_calls`` (a fused
+    op's call patterns), the bias on either side (the matcher does not know ``add`` commutes) and
+    the output viewed to 3-D or not, for the families that fold a bias added after their op."""
+    for y in op_calls:
+        for view in (False, True):
+            out = CallFunction(VIEWS, y, KeywordArg("out_shape")) if view else y
+            for bias_first in (False, True):
+                bias = KeywordArg("bias")
+                yield CallFunction(aten.add.Tensor, *((bias, out) if bias_first else (out, bias))), view
+
+
 # --------------------------------------------------------------------------- W8A8 dequantize-then-matmul patterns
 
 

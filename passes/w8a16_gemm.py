@@ -48,7 +48,6 @@ dense weight, and before Inductor's ``mm + add → addmm``), and the same patter
 from __future__ import annotations
 
 import functools
-import itertools
 
 import torch
 from torch._inductor.pattern_matcher import (
@@ -69,6 +68,7 @@ from .fx_helpers import (
     VIEWS,
     Plan,
     as_bias_vector,
+    bias_add_patterns,
     bias_ok,
     check_private,
     is_scalar_like,
@@ -202,16 +202,6 @@ def _op_call(n_args: int) -> PatternExpr:
     return CallFunction(W8A16, *args)
 
 
-def _bias_patterns():
-    """(pattern, viewed): ``w8a16_gemm(...) [.view(shape)] + bias``, the bias on either side."""
-    for n_args, view, bias_first in itertools.product((3, 4), (False, True), (False, True)):
-        y = _op_call(n_args)
-        if view:
-            y = CallFunction(VIEWS, y, KeywordArg("out_shape"))
-        bias = KeywordArg("bias")
-        yield CallFunction(aten.add.Tensor, *((bias, y) if bias_first else (y, bias))), view
-
-
 def _bias_check(match: Match) -> bool:
     add = match.output_node()
     b, y = tensor_val(match.kwargs["bias"]), tensor_val(add)
@@ -246,5 +236,5 @@ def register(passes: dict) -> None:
     target = [passes[slot] for slot in SLOTS]
     for form, pattern in patterns():
         register_checked(pattern, target, FAMILY, form, functools.partial(plan, form=form))
-    for pattern, view in _bias_patterns():
+    for pattern, view in bias_add_patterns(_op_call(n_args) for n_args in (3, 4)):
         register_graph_pattern(pattern, extra_check=_bias_check, pass_dict=target)(_bias_handler(view))
