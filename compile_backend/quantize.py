@@ -453,8 +453,12 @@ def _check_linear(linear: nn.Linear, scheme: Scheme) -> None:
 def _quantize_linear(linear: nn.Linear, scheme: Scheme, dtype) -> nn.Module:
     out_dtype = dtype or linear.weight.dtype
     if scheme.kind == "awq":
-        act = out_dtype if out_dtype in (torch.float16, torch.bfloat16) else torch.float16
-        return AWQLinear.from_linear(linear, group_size=scheme.group_size, dtype=act)
+        if out_dtype in (torch.float16, torch.bfloat16):
+            return AWQLinear.from_linear(linear, group_size=scheme.group_size, dtype=out_dtype)
+        # The format holds its scales in float16; in a float32 model the layer computes in float16
+        # between a cast of its input and one of its output, as after AWQLinear.float(), so that
+        # it takes and gives what its neighbours do.
+        return AWQLinear.from_linear(linear, group_size=scheme.group_size, dtype=torch.float16).to(out_dtype)
     return W8A8Linear.from_linear(
         linear, weight_dtype=scheme.weight_dtype, per_channel=scheme.per_channel,
         per_token=scheme.per_token, symmetric=scheme.symmetric, out_dtype=out_dtype)
@@ -464,8 +468,9 @@ def quantize_model(model: nn.Module, scheme, *, dtype: torch.dtype = None, skip=
     """Replace every ``nn.Linear`` (except names in ``skip``) with its quantized form, in place.
 
     ``scheme`` is a ``Scheme`` or one of ``SCHEMES``' names.  ``dtype`` is the
-    activation/output dtype (default: the linear weight's dtype, float16 for AWQ
-    when that is float32).  Returns the model.
+    activation/output dtype (default: the linear weight's dtype).  AWQ layers of a
+    float32 model compute in float16 between casts of their input and output, so that
+    they take and give float32 like the layers around them.  Returns the model.
 
     All or nothing: every layer is checked, then every replacement is made, and only
     then are they swapped in, so a layer that cannot be quantized (e.g. a K that the

@@ -143,6 +143,31 @@ def test_quantize_model_swaps_linears_and_skips_lm_head():
         quantize_model(tiny_llama(), "int3")
 
 
+@pytest.mark.compile
+def test_awq_in_a_float32_model_runs_eager_and_compiled():
+    """AWQ layers of a float32 model take and give float32 (computing in float16 between the
+    casts), so the model runs, eagerly and compiled with every layer fused, close to float32."""
+    from compile_backend.llama import tiny_llama
+    from compile_backend.passes import collecting_report
+
+    dense = tiny_llama()
+    model = quantize_model(tiny_llama(), "awq-g32")
+    layers = [m for m in model.modules() if isinstance(m, AWQLinear)]
+    assert layers and all(m.out_dtype == torch.float32 and m.scales.dtype == torch.float16 for m in layers)
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, eager = dense(tokens), model(tokens)
+        torch._dynamo.reset()
+        with collecting_report() as report, torch._functorch.config.patch(enable_autograd_cache=False):
+            compiled = torch.compile(model, backend="quantfuse", options={"fx_graph_cache": False})(tokens)
+    assert eager.dtype == compiled.dtype == torch.float32
+    assert len(report.fused) == len(layers), str(report)
+    rel = float((compiled - eager).norm() / eager.norm())
+    assert rel < 1e-2, rel
+    # 4-bit weights of a random model: about 12% per layer (16% measured on the logits)
+    assert float((eager - want).norm() / want.norm()) < 0.25
+
+
 def _awq_dequantized(qweight, qzeros, scales, group_size):
     """[N, K] float32 dequantization from the packed tensors (the op's arithmetic, in float32)."""
     q = awq_unpack_values(qweight).float()
