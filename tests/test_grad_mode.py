@@ -155,6 +155,17 @@ def test_awq_dequantize_formula():
 
 
 @pytest.mark.gpu
+def test_every_formula_has_the_cuda_autograd_step():
+    """csrc/common/autograd_cuda.cpp lists the ops it serves; it must list every op that has a
+    formula, or that op's CUDA calls would still pay for the Python autograd kernel."""
+    from compile_backend.autograd import FORMULAS
+
+    missing = [name for name in FORMULAS
+               if not torch._C._dispatch_has_kernel_for_dispatch_key(f"quantfuse::{name}", "AutogradCUDA")]
+    assert not missing, missing
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("op", ["awq_gemm", "scaled_mm"])
 def test_cuda_autograd_step(op):
     """On CUDA the ops' Autograd step is C++ (csrc/common/autograd_cuda.cpp): without a gradient
