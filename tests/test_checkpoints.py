@@ -448,6 +448,26 @@ def test_awq_tied_embeddings_bfloat16(tmp_path):
     assert rel(got, ref) <= 5e-2, rel(got, ref)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_keep_in_fp32_modules(tmp_path, monkeypatch, dtype):
+    """The model class's float32 rules, as transformers applies them: ``_keep_in_fp32_modules`` in
+    float16 only, ``_keep_in_fp32_modules_strict`` in float16 and bfloat16; quantized layers keep
+    their dtype."""
+    monkeypatch.setattr(transformers.LlamaForCausalLM, "_keep_in_fp32_modules", ["lm_head"], raising=False)
+    monkeypatch.setattr(transformers.LlamaForCausalLM, "_keep_in_fp32_modules_strict", ["model.norm", "*.o_proj"],
+                        raising=False)
+    folder = write_awq(str(tmp_path / "awq"), shards=1)
+    model = from_pretrained(folder, dtype=dtype)
+    check_loaded(model, AWQLinear)
+    assert model.lm_head.weight.dtype == (torch.float32 if dtype == torch.float16 else dtype)
+    assert model.model.norm.weight.dtype == torch.float32
+    assert model.model.layers[0].input_layernorm.weight.dtype == dtype
+    assert model.model.layers[0].self_attn.o_proj.scales.dtype == dtype
+    if dtype == torch.float16:  # float16 values widened to float32 exactly
+        stored_head = stored(folder)["lm_head.weight"]
+        assert torch.equal(model.lm_head.weight.detach(), stored_head.to(torch.float32))
+
+
 @pytest.mark.compile
 def test_awq_fused(tmp_path):
     check_compiled(from_pretrained(write_awq(str(tmp_path / "awq"), shards=2)), {"awq_gemm": LINEARS})

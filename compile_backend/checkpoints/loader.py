@@ -50,6 +50,9 @@ def from_pretrained(path, dtype=None, device=None):
     model (its unquantized weights, the layers' outputs); default (or ``"auto"``) the config's
     ``dtype`` / ``torch_dtype``.  ``device``: where the tensors are read to (default CPU).
 
+    Unquantized tensors the model class keeps in float32 (transformers' ``_keep_in_fp32_modules``
+    for float16, ``_keep_in_fp32_modules_strict`` for float16 and bfloat16) are loaded in float32.
+
     The model is built without weights and filled shard by shard: nothing is materialised in
     full precision.  A scheme no quantfuse module holds raises ``UnsupportedCheckpointError``
     naming the config key or tensor.  transformers and safetensors are needed (the ``hf`` extra).
@@ -81,12 +84,20 @@ def from_pretrained(path, dtype=None, device=None):
     keys = {k for ks in shard_keys.values() for k in ks}
     skipped = fmt.skipped_keys(keys)
     plans, owner, modules = {}, {}, by_module(keys)
+    kept = skeleton_ops.keep_in_fp32(model, dtype)
     for name, linear in skeleton_ops.linears(model):
         plan = fmt.plan(name, linear, modules.get(name, {}), dtype)
         if plan is not None:
+            if kept is not None and kept.search(name):
+                log.info("from_pretrained: %s is quantized: %s's float32 rule for it does not apply", name,
+                         type(model).__name__)
             plans[name] = plan
             owner.update({k: plan for k in plan.keys})
             skeleton_ops.replace(model, name, plan.placeholder)
+    if kept is not None:
+        upcast = skeleton_ops.upcast_kept(model, kept)
+        if upcast:
+            log.info("from_pretrained: kept in float32 as %s asks: %s", type(model).__name__, upcast)
     if not plans:
         raise UnsupportedCheckpointError(
             f"from_pretrained: no linear layer of {type(model).__name__} is quantized in {folder!r} "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 
 import torch
 from torch import nn
@@ -58,6 +59,39 @@ def skeleton(config, dtype: torch.dtype) -> nn.Module:
     cls = model_class(config)
     with _parameters_on_meta(), _default_dtype(dtype):
         return cls(config)
+
+
+def keep_in_fp32(model: nn.Module, dtype: torch.dtype) -> re.Pattern | None:
+    """The names transformers keeps in float32 when it loads this model in ``dtype``: the model's
+    ``_keep_in_fp32_modules`` for float16 (bfloat16 holds their range) and
+    ``_keep_in_fp32_modules_strict`` for float16 and bfloat16, as globs searched in the names
+    (transformers' ``_get_dtype_plan``); None when nothing is kept."""
+    kept = set()
+    if dtype == torch.float16:
+        kept |= set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    if dtype in (torch.float16, torch.bfloat16):
+        kept |= set(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+    if not kept:
+        return None
+    return re.compile("|".join(f"(?:{g.replace('*', '.*')})" for g in sorted(kept)))
+
+
+def upcast_kept(model: nn.Module, kept: re.Pattern) -> list[str]:
+    """Makes the still unloaded float parameters and buffers whose names ``kept`` matches float32,
+    so that ``set_tensor`` converts their checkpoint values to float32; returns their names."""
+    names = []
+    for mod_name, module in model.named_modules():
+        for store in (module._parameters, module._buffers):
+            for attr, t in store.items():
+                full = f"{mod_name}.{attr}" if mod_name else attr
+                if t is None or not t.is_floating_point() or t.dtype == torch.float32 or not kept.search(full):
+                    continue
+                if isinstance(t, nn.Parameter):
+                    store[attr] = nn.Parameter(t.to(torch.float32), requires_grad=t.requires_grad)
+                else:
+                    store[attr] = t.to(torch.float32)
+                names.append(full)
+    return names
 
 
 def linears(model: nn.Module):
