@@ -39,7 +39,7 @@ def command(source: Path, out: Path) -> list[str]:
     defines = ["-DTORCH_EXTENSION_NAME=quantfuse_C", "-DTORCH_API_INCLUDE_EXTENSION_H", "-D_GLIBCXX_USE_CXX11_ABI=1"]
     compiler = "nvcc" if source.suffix == ".cu" else "c++"
     flags = build_config.nvcc_flags(torch.__version__) + gencode + ["-Xcompiler", "-fPIC"] if compiler == "nvcc" else [
-        "-O1", f"-std={build_config.cxx_standard(torch.__version__)}", "-fPIC"]
+        "-O1", f"-std={build_config.cxx_standard(torch.__version__)}", "-fPIC", *build_config.DRIVER_DEFINES]
     return [compiler, "-c", str(source), "-o", str(out), *defines, *flags, *[f"-I{i}" for i in includes]]
 
 

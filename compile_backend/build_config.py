@@ -71,9 +71,17 @@ def cxx_standard(torch_version: str | None = None) -> str:
     return "c++20" if (major, minor) >= (2, 14) else "c++17"
 
 
+# CUTLASS calls cuTensorMapEncodeTiled directly, under the name csrc/common/tma_driver.cpp
+# defines: it looks the driver function up once, where CUTLASS would on every TMA descriptor.
+DRIVER_DEFINES = [
+    "-DCUTLASS_ENABLE_DIRECT_CUDA_DRIVER_CALL=1",
+    "-DcuTensorMapEncodeTiled=quantfuse_cuTensorMapEncodeTiled",
+]
+
+
 def cxx_flags(torch_version: str | None = None) -> list[str]:
     """Host compiler flags for the ``.cpp`` sources."""
-    return ["-O3", f"-std={cxx_standard(torch_version)}"]
+    return ["-O3", f"-std={cxx_standard(torch_version)}", *DRIVER_DEFINES]
 
 
 def nvcc_flags(torch_version: str | None = None) -> list[str]:
@@ -84,6 +92,7 @@ def nvcc_flags(torch_version: str | None = None) -> list[str]:
         "--expt-relaxed-constexpr",
         "--expt-extended-lambda",
         "-DCUTLASS_ENABLE_TENSOR_CORE_MMA=1",
+        *DRIVER_DEFINES,
         "-U__CUDA_NO_HALF_OPERATORS__",
         "-U__CUDA_NO_HALF_CONVERSIONS__",
         "-U__CUDA_NO_BFLOAT16_OPERATORS__",

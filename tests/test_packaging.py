@@ -85,10 +85,23 @@ def test_build_config_imports_without_torch():
     assert out.stdout.split() == ["-std=c++20", "c++17"]
 
 
+def test_tma_encode_is_renamed_to_a_defined_function():
+    """CUTLASS calls cuTensorMapEncodeTiled directly under the name the build gives it: every
+    source is compiled with the rename, and csrc defines a function of that name."""
+    defines = dict(d.removeprefix("-D").split("=", 1) for d in build_config.DRIVER_DEFINES)
+    assert defines["CUTLASS_ENABLE_DIRECT_CUDA_DRIVER_CALL"] == "1"
+    name = defines["cuTensorMapEncodeTiled"]
+    for flags in (build_config.nvcc_flags("2.11.0"), build_config.cxx_flags("2.14.1")):
+        assert all(d in flags for d in build_config.DRIVER_DEFINES), flags
+    source = (ROOT / "csrc" / "common" / "tma_driver.cpp").read_text()
+    assert f'extern "C" CUresult {name}(' in source
+
+
 def test_jit_build_and_setup_share_flags():
     assert kernels.nvcc_flags() == build_config.nvcc_flags(torch.__version__)
     assert kernels.cxx_standard() == build_config.cxx_standard(torch.__version__)
-    assert build_config.cxx_flags(torch.__version__) == ["-O3", f"-std={kernels.cxx_standard()}"]
+    assert build_config.cxx_flags(torch.__version__) == ["-O3", f"-std={kernels.cxx_standard()}",
+                                                        *build_config.DRIVER_DEFINES]
     assert kernels.sources() == build_config.list_sources(ROOT / "csrc")
     assert build_config.cxx_standard("2.14.0+cu130") == "c++20"
     assert build_config.cxx_standard("2.11.0") == "c++17"
