@@ -1,5 +1,6 @@
-// quantfuse AWQ W4A16: int4 values into mma.sync A fragments, the MMA itself, and the dequantize
-// kernel's pair conversion, per activation dtype (device code shared by the decode kernels).
+// quantfuse AWQ W4A16: int4 values into mma.sync A fragments (for mma_m16n8k16, common/mma.cuh)
+// and the dequantize kernel's pair conversion, per activation dtype (device code shared by the
+// decode kernels).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -110,13 +111,6 @@ struct Dq<__half> {
     const uint32_t tz = lop3_and_or<0x000f000fu, 0x64006400u>(z);
     return as_u32(__hmul2(__hsub2(as_h2(tq), as_h2(tz)), as_h2(s2)));
   }
-  __device__ __forceinline__ static void mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-        "{%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-  }
   __device__ __forceinline__ static __half from_float(float v) { return __float2half_rn(v); }
   __device__ __forceinline__ static float to_float(__half v) { return __half2float(v); }
   __device__ __forceinline__ static float bits_to_float(uint32_t b) {
@@ -171,13 +165,6 @@ struct Dq<__nv_bfloat16> {
     const uint32_t tq = lop3_and_or<0x000f000fu, 0x43004300u>(q);
     const uint32_t tz = lop3_and_or<0x000f000fu, 0x43004300u>(z);
     return as_u32(__hmul2(__hsub2(as_b2(tq), as_b2(tz)), as_b2(s2)));
-  }
-  __device__ __forceinline__ static void mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-        "{%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
   }
   __device__ __forceinline__ static __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
   __device__ __forceinline__ static float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }

@@ -9,6 +9,7 @@
 
 #include "awq_gemm/awq_dequant.cuh"
 #include "awq_gemm/awq_gemm.h"
+#include "common/mma.cuh"
 
 namespace quantfuse {
 namespace awq {
@@ -131,7 +132,7 @@ struct TokenSums {
     for (int p = 0; p < kPairs; ++p) {
       const bool two = 2 * p + 1 < NT;
       const uint32_t a[4] = {b[2 * p][0], two ? b[2 * p + 1][0] : 0u, b[2 * p][1], two ? b[2 * p + 1][1] : 0u};
-      Dq<T>::mma(c[p], a, ones);
+      mma_m16n8k16<T>(c[p], a, ones);
     }
   }
   // The sum of token 8nt + 2t + h of lane (g, t) (its C-fragment columns): held by the lanes of
@@ -161,7 +162,7 @@ __device__ __forceinline__ void mma_tiles(const uint32_t (&a)[kTiles][4], const 
 #pragma unroll
   for (int j = 0; j < kTiles; ++j)
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) Dq<T>::mma(acc[j][nt], a[j], b[nt]);
+    for (int nt = 0; nt < NT; ++nt) mma_m16n8k16<T>(acc[j][nt], a[j], b[nt]);
 }
 
 template <typename T, int NT>

@@ -49,6 +49,7 @@
 #include <type_traits>
 
 #include "common/cluster_launch.h"
+#include "common/mma.cuh"
 #include "common/stream_load.h"
 #include "scaled_mm/scaled_mm_decode.h"
 
@@ -180,40 +181,9 @@ struct KernelArgs {
   int chunks_per_part;  // 64-byte K chunks per (CTA, warp)
 };
 
+// The 8-bit operand type of the kernel's m16n8k32 (common/mma.cuh).
 template <bool kFp8>
-struct Mma;
-
-template <>
-struct Mma<false> {
-  using Acc = int32_t;
-  __device__ __forceinline__ static void run(int32_t (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                             uint32_t b0, uint32_t b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-#else
-    __trap();
-#endif
-  }
-};
-
-template <>
-struct Mma<true> {
-  using Acc = float;
-  __device__ __forceinline__ static void run(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                             uint32_t b0, uint32_t b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-    asm("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-#else
-    __trap();
-#endif
-  }
-};
+using Operand = std::conditional_t<kFp8, __nv_fp8_e4m3, int8_t>;
 
 // Row pitch (words) of a warp's partial sums red[token][channel]: the C fragment stores of
 // lanes (g, t) hit word 2t * 20 + g (mod 32), all different.
@@ -239,7 +209,7 @@ template <bool kFp8, int NT, int kBatch, class Out, class Epi>
 // instead of a batch ahead also fits two tiles in 128 registers, but measured 5-15% slower.)
 __global__ void __launch_bounds__(kMaxWarps * 32, (NT == 1 || kBatch <= 2) ? 2 : 1)
     scaled_mm_decode_kernel(const KernelArgs args, const Epi epi) {
-  using Acc = typename Mma<kFp8>::Acc;
+  using Acc = MmaAcc<Operand<kFp8>>;
   constexpr int kTokens = 8 * NT;
   extern __shared__ __align__(16) uint8_t smem[];
 
@@ -298,8 +268,8 @@ __global__ void __launch_bounds__(kMaxWarps * 32, (NT == 1 || kBatch <= 2) ? 2 :
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
         const uint4 x = bt.x[u][j];
-        Mma<kFp8>::run(acc[j], lo.x, hi.x, lo.y, hi.y, x.x, x.y);
-        Mma<kFp8>::run(acc[j], lo.z, hi.z, lo.w, hi.w, x.z, x.w);
+        mma_m16n8k32<Operand<kFp8>>(acc[j], lo.x, hi.x, lo.y, hi.y, x.x, x.y);
+        mma_m16n8k32<Operand<kFp8>>(acc[j], lo.z, hi.z, lo.w, hi.w, x.z, x.w);
       }
     }
   };

@@ -34,6 +34,7 @@
 #include <type_traits>
 
 #include "common/cluster_launch.h"
+#include "common/mma.cuh"
 #include "common/stream_load.h"
 #include "w8a16_gemm/w8a16_gemm.h"
 
@@ -62,10 +63,11 @@ struct Epilogue {
 
 // ------------------------------------------------------------------------ tensor-core pieces
 
+// Four int8 weights (one 32-bit word) -> two packed pairs of T (the A fragment registers of
+// mma_m16n8k16<T>): lo = bytes 0, 1; hi = bytes 2, 3.
 template <class T>
 struct Frag;
 
-// Four int8 weights (one 32-bit word) -> two packed pairs: lo = bytes 0, 1; hi = bytes 2, 3.
 template <>
 struct Frag<__half> {
   __device__ __forceinline__ static void convert(uint32_t w, uint32_t& lo, uint32_t& hi) {
@@ -74,17 +76,6 @@ struct Frag<__half> {
     const uint32_t magic = 0x64806480u;  // 1152.0 twice
     asm("sub.f16x2 %0, %1, %2;" : "=r"(lo) : "r"(l), "r"(magic));
     asm("sub.f16x2 %0, %1, %2;" : "=r"(hi) : "r"(h), "r"(magic));
-  }
-  __device__ __forceinline__ static void mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                             uint32_t b0, uint32_t b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-#else
-    __trap();
-#endif
   }
 };
 
@@ -100,17 +91,6 @@ struct Frag<__nv_bfloat16> {
     const uint32_t u = w ^ 0x80808080u;
     lo = pack(u, 0x7650, 0x7651);
     hi = pack(u, 0x7652, 0x7653);
-  }
-  __device__ __forceinline__ static void mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                             uint32_t b0, uint32_t b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-#else
-    __trap();
-#endif
   }
 };
 
@@ -210,7 +190,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 2) w8a16_decode_mma_kernel(con
         for (int j = 0; j < NT; ++j) {
           const uint4& xv = bt.x[u][j][i >> 1];
           const int wi = (i & 1) * 2;
-          Frag<T>::mma(acc[j], a0, a1, a2, a3, word(xv, wi), word(xv, wi + 1));
+          mma_m16n8k16<T>(acc[j], a0, a1, a2, a3, word(xv, wi), word(xv, wi + 1));
         }
       }
     }

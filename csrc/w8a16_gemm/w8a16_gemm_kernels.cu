@@ -3,41 +3,46 @@
 
 namespace quantfuse::w8a16 {
 
-int launch_decode(const Params& p, const DecodeConfig& c, int* cuda_error) {
-  switch (p.dtype) {
+// The activation dtype T and scale dtype S of a call, as types.
+template <class T_, class S_>
+struct Dtypes {
+  using T = T_;
+  using S = S_;
+};
+
+// launch(Dtypes<T, S>{}) for activation dtype `dtype` and scale dtype float32 (scale_f32) or
+// that of the activations; float32 activations take float32 scales.
+template <class Launch>
+int with_dtypes(Dt dtype, bool scale_f32, const Launch& launch) {
+  switch (dtype) {
     case Dt::kF16:
-      return p.scale_f32 ? launch_decode_typed<__half, float>(p, c, cuda_error)
-                         : launch_decode_typed<__half, __half>(p, c, cuda_error);
+      return scale_f32 ? launch(Dtypes<__half, float>{}) : launch(Dtypes<__half, __half>{});
     case Dt::kBF16:
-      return p.scale_f32 ? launch_decode_typed<__nv_bfloat16, float>(p, c, cuda_error)
-                         : launch_decode_typed<__nv_bfloat16, __nv_bfloat16>(p, c, cuda_error);
+      return scale_f32 ? launch(Dtypes<__nv_bfloat16, float>{}) : launch(Dtypes<__nv_bfloat16, __nv_bfloat16>{});
     case Dt::kF32:
-      return launch_decode_typed<float, float>(p, c, cuda_error);
+      return launch(Dtypes<float, float>{});
   }
   return kUnsupported;
+}
+
+int launch_decode(const Params& p, const DecodeConfig& c, int* cuda_error) {
+  return with_dtypes(p.dtype, p.scale_f32, [&](auto d) {
+    using D = decltype(d);
+    return launch_decode_typed<typename D::T, typename D::S>(p, c, cuda_error);
+  });
 }
 
 int launch_cast(const int8_t* w, void* out, int64_t n, Dt dtype, void* stream, int* cuda_error) {
-  switch (dtype) {
-    case Dt::kF16: return launch_cast_typed<__half>(w, out, n, stream, cuda_error);
-    case Dt::kBF16: return launch_cast_typed<__nv_bfloat16>(w, out, n, stream, cuda_error);
-    case Dt::kF32: return launch_cast_typed<float>(w, out, n, stream, cuda_error);
-  }
-  return kUnsupported;
+  return with_dtypes(dtype, /*scale_f32=*/false, [&](auto d) {  // no scale: only T is used
+    return launch_cast_typed<typename decltype(d)::T>(w, out, n, stream, cuda_error);
+  });
 }
 
 int launch_epilogue(const float* acc, const Params& p, int* cuda_error) {
-  switch (p.dtype) {
-    case Dt::kF16:
-      return p.scale_f32 ? launch_epilogue_typed<__half, float>(acc, p, cuda_error)
-                         : launch_epilogue_typed<__half, __half>(acc, p, cuda_error);
-    case Dt::kBF16:
-      return p.scale_f32 ? launch_epilogue_typed<__nv_bfloat16, float>(acc, p, cuda_error)
-                         : launch_epilogue_typed<__nv_bfloat16, __nv_bfloat16>(acc, p, cuda_error);
-    case Dt::kF32:
-      return launch_epilogue_typed<float, float>(acc, p, cuda_error);
-  }
-  return kUnsupported;
+  return with_dtypes(p.dtype, p.scale_f32, [&](auto d) {
+    using D = decltype(d);
+    return launch_epilogue_typed<typename D::T, typename D::S>(acc, p, cuda_error);
+  });
 }
 
 }  // namespace quantfuse::w8a16
