@@ -20,8 +20,8 @@
 // can the up to 8 CTAs of a thread-block cluster (forced `splits`; the automatic choice
 // uses none).  Partial sums go to shared memory; after a cluster barrier each CTA reduces
 // a slice of the 16 x 8*NT outputs over every warp of every CTA of its cluster through
-// distributed shared memory, in a fixed order (bitwise reproducible), applies the epilogue
-// and stores.  No workspace, no second kernel.
+// distributed shared memory, in a fixed order (bitwise reproducible; common/decode_reduce.cuh),
+// applies the epilogue and stores.  No workspace, no second kernel.
 //
 // Loads: registers, in batches of kBatch chunks issued back to back (the warp asks for 16
 // rows x 256 bytes at once; 128 with two token tiles, whose registers would otherwise halve
@@ -40,7 +40,6 @@
 // (acc * s_b * s_a + bias, no FMA contraction), one rounding to the output type.
 #pragma once
 
-#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -49,6 +48,7 @@
 #include <type_traits>
 
 #include "common/cluster_launch.h"
+#include "common/decode_reduce.cuh"
 #include "common/mma.cuh"
 #include "common/stream_load.h"
 #include "scaled_mm/scaled_mm_decode.h"
@@ -185,15 +185,6 @@ struct KernelArgs {
 template <bool kFp8>
 using Operand = std::conditional_t<kFp8, __nv_fp8_e4m3, int8_t>;
 
-// Row pitch (words) of a warp's partial sums red[token][channel]: the C fragment stores of
-// lanes (g, t) hit word 2t * 20 + g (mod 32), all different.
-constexpr int kRedPitch = 20;
-
-template <int NT>
-__host__ __device__ constexpr int warp_smem_bytes() {
-  return 8 * NT * kRedPitch * 4;
-}
-
 // Loads of one batch: kBatch 64-byte chunks of the warp's K range; per chunk and lane the 16
 // bytes of weight rows g and g + 8 and of token g of each n8 tile.  Chunks past the range or
 // past K are zeros (no memory access).
@@ -210,7 +201,6 @@ template <bool kFp8, int NT, int kBatch, class Out, class Epi>
 __global__ void __launch_bounds__(kMaxWarps * 32, (NT == 1 || kBatch <= 2) ? 2 : 1)
     scaled_mm_decode_kernel(const KernelArgs args, const Epi epi) {
   using Acc = MmaAcc<Operand<kFp8>>;
-  constexpr int kTokens = 8 * NT;
   extern __shared__ __align__(16) uint8_t smem[];
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
@@ -284,55 +274,12 @@ __global__ void __launch_bounds__(kMaxWarps * 32, (NT == 1 || kBatch <= 2) ? 2 :
     use(b1, c + kBatch);
   }
 
-  // Partial sums to this warp's shared memory: red(w)[token][channel - n0], pitch kRedPitch.
-  // C fragment of m16n8 tile j: c0, c1 at channel g, tokens 8j + 2t + {0, 1}; c2, c3 at g + 8.
-  constexpr int kWarpWords = warp_smem_bytes<NT>() / 4;
-  Acc* red = reinterpret_cast<Acc*>(smem) + warp * kWarpWords;
-#pragma unroll
-  for (int j = 0; j < NT; ++j) {
-    const int m = 8 * j + 2 * t;
-    red[m * kRedPitch + g] = acc[j][0];
-    red[(m + 1) * kRedPitch + g] = acc[j][1];
-    red[m * kRedPitch + g + 8] = acc[j][2];
-    red[(m + 1) * kRedPitch + g + 8] = acc[j][3];
-  }
-
-  constexpr int kOutputs = kTokens * kRowsPerWarp;
-  auto finish = [&](int m, int nl, Acc sum) {
+  store_partials<NT>(smem, warp, lane, acc);
+  reduce_partials<NT, Acc>(smem, S, rank, warps, M, N, n0, [&](int m, int nl, Acc sum) {
     const int n = n0 + nl;
     Out* d = static_cast<Out*>(args.d) + int64_t(m) * args.ldd + n;
     store(d, epi(m, n, sum));
-  };
-
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (S > 1) {
-    namespace cg = cooperative_groups;
-    cg::cluster_group cluster = cg::this_cluster();
-    cluster.sync();  // every CTA's partials are in its shared memory
-    for (int e = rank * blockDim.x + threadIdx.x; e < kOutputs; e += S * blockDim.x) {
-      const int m = e / kRowsPerWarp, nl = e % kRowsPerWarp;
-      if (m >= M || n0 + nl >= N) continue;
-      Acc sum = Acc(0);
-      for (int s = 0; s < S; ++s) {
-        const Acc* part = cluster.map_shared_rank(reinterpret_cast<const Acc*>(smem), s) + m * kRedPitch + nl;
-#pragma unroll 4
-        for (int w = 0; w < warps; ++w) sum += part[w * kWarpWords];
-      }
-      finish(m, nl, sum);
-    }
-    cluster.sync();  // keep this CTA's shared memory alive until the others have read it
-    return;
-  }
-#endif
-  __syncthreads();
-  for (int e = threadIdx.x; e < kOutputs; e += blockDim.x) {
-    const int m = e / kRowsPerWarp, nl = e % kRowsPerWarp;
-    if (m >= M || n0 + nl >= N) continue;
-    const Acc* part = reinterpret_cast<const Acc*>(smem) + m * kRedPitch + nl;
-    Acc sum = Acc(0);
-    for (int w = 0; w < warps; ++w) sum += part[w * kWarpWords];
-    finish(m, nl, sum);
-  }
+  });
 }
 
 // ------------------------------------------------------------------------ host launch

@@ -21,11 +21,10 @@
 // and a contiguous range of 64-element K chunks; a CTA's warps split K, on sm_90 so can the
 // CTAs of a cluster (small N).  Partial sums go to shared memory; each CTA (after a cluster
 // barrier, through distributed shared memory) reduces a slice of its 16 x 8*NT outputs in a
-// fixed order (reproducible), applies the epilogue (acc * s[n], then + bias[n], each rounded
-// in float32, then one rounding to the output type) and stores.
+// fixed order (reproducible; common/decode_reduce.cuh), applies the epilogue (acc * s[n], then
+// + bias[n], each rounded in float32, then one rounding to the output type) and stores.
 #pragma once
 
-#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -34,6 +33,7 @@
 #include <type_traits>
 
 #include "common/cluster_launch.h"
+#include "common/decode_reduce.cuh"
 #include "common/mma.cuh"
 #include "common/stream_load.h"
 #include "w8a16_gemm/w8a16_gemm.h"
@@ -98,14 +98,6 @@ __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
-// Row pitch (words) of a warp's partial sums red[token][channel]: conflict-free fragment stores.
-constexpr int kRedPitch = 20;
-
-template <int NT>
-__host__ __device__ constexpr int warp_smem_bytes() {
-  return 8 * NT * kRedPitch * 4;
-}
-
 struct DecodeArgs {
   const uint8_t* x;  // [M, K] 2-byte elements, row pitch ldx elements
   const uint8_t* w;  // [N, K] int8, row pitch ldw bytes
@@ -127,7 +119,6 @@ struct Batch {
 template <class T, int NT, int kBatch, bool kDouble, class Epi>
 __global__ void __launch_bounds__(kMaxWarps * 32, 2) w8a16_decode_mma_kernel(const DecodeArgs args, const Epi epi) {
   extern __shared__ __align__(16) uint8_t smem[];
-  constexpr int kTokens = 8 * NT;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int S = args.splits;
@@ -213,52 +204,11 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 2) w8a16_decode_mma_kernel(con
     }
   }
 
-  // C fragment of tile j: c0, c1 at channel g, tokens 8j + 2t + {0, 1}; c2, c3 at channel g + 8.
-  constexpr int kWarpWords = warp_smem_bytes<NT>() / 4;
-  float* red = reinterpret_cast<float*>(smem) + warp * kWarpWords;
-#pragma unroll
-  for (int j = 0; j < NT; ++j) {
-    const int m = 8 * j + 2 * t;
-    red[m * kRedPitch + g] = acc[j][0];
-    red[(m + 1) * kRedPitch + g] = acc[j][1];
-    red[m * kRedPitch + g + 8] = acc[j][2];
-    red[(m + 1) * kRedPitch + g + 8] = acc[j][3];
-  }
-
-  constexpr int kOutputs = kTokens * kRowsPerWarp;
-  auto finish = [&](int m, int nl, float sum) {
+  store_partials<NT>(smem, warp, lane, acc);
+  reduce_partials<NT, float>(smem, S, rank, warps, M, N, n0, [&](int m, int nl, float sum) {
     const int n = n0 + nl;
     store(static_cast<T*>(args.y) + int64_t(m0 + m) * args.ldy + n, epi(n, sum));
-  };
-
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (S > 1) {
-    namespace cg = cooperative_groups;
-    cg::cluster_group cluster = cg::this_cluster();
-    cluster.sync();
-    for (int e = rank * blockDim.x + threadIdx.x; e < kOutputs; e += S * blockDim.x) {
-      const int m = e / kRowsPerWarp, nl = e % kRowsPerWarp;
-      if (m >= M || n0 + nl >= N) continue;
-      float sum = 0.0f;
-      for (int s = 0; s < S; ++s) {
-        const float* part = cluster.map_shared_rank(reinterpret_cast<const float*>(smem), s) + m * kRedPitch + nl;
-        for (int w = 0; w < warps; ++w) sum += part[w * kWarpWords];
-      }
-      finish(m, nl, sum);
-    }
-    cluster.sync();  // keep this CTA's shared memory alive until the others have read it
-    return;
-  }
-#endif
-  __syncthreads();
-  for (int e = threadIdx.x; e < kOutputs; e += blockDim.x) {
-    const int m = e / kRowsPerWarp, nl = e % kRowsPerWarp;
-    if (m >= M || n0 + nl >= N) continue;
-    const float* part = reinterpret_cast<const float*>(smem) + m * kRedPitch + nl;
-    float sum = 0.0f;
-    for (int w = 0; w < warps; ++w) sum += part[w * kWarpWords];
-    finish(m, nl, sum);
-  }
+  });
 }
 
 // ------------------------------------------------------------------------ float32 (CUDA cores)
