@@ -32,6 +32,7 @@
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
 
 #include "awq_gemm/awq_gemm_sm90.h"
+#include "common/cutlass_run.h"
 #include "common/sm_count.h"
 
 namespace quantfuse::awq_sm90 {
@@ -207,17 +208,15 @@ struct AwqGemm {
       args.scheduler.decomposition_mode = KernelBase::TileScheduler::DecompositionMode::StreamK;
     }
 
-    Gemm gemm;
-    if (gemm.can_implement(args) != cutlass::Status::kSuccess) return kCannotImplement;
+    if (Gemm::can_implement(args) != cutlass::Status::kSuccess) return kCannotImplement;
     const size_t ws_bytes = Gemm::get_workspace_size(args);
     void* ws = nullptr;
     if (ws_bytes > 0) {
       if (p.alloc == nullptr) return kInitFailed;
       ws = p.alloc(ws_bytes, p.alloc_ctx);
     }
-    auto stream = static_cast<cudaStream_t>(p.stream);
-    if (gemm.initialize(args, ws, stream) != cutlass::Status::kSuccess) return kInitFailed;
-    if (gemm.run(stream) != cutlass::Status::kSuccess) return kLaunchFailed;
+    if (quantfuse::cutlass_run<Gemm>(args, ws, static_cast<cudaStream_t>(p.stream)) != cutlass::Status::kSuccess)
+      return kLaunchFailed;
     return cudaPeekAtLastError() == cudaSuccess ? kOk : kLaunchFailed;
   }
 };

@@ -21,6 +21,7 @@
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
 #include "cutlass/util/packed_stride.hpp"
 
+#include "common/cutlass_run.h"
 #include "common/sm_count.h"
 #include "scaled_mm/epilogue_sm90.cuh"
 #include "scaled_mm/scaled_mm_launch.h"
@@ -222,17 +223,15 @@ struct Sm90Gemm {
     args.hw_info.device_id = p.device;
     args.hw_info.sm_count = quantfuse::sm_count(p.device, 0);
 
-    Gemm gemm;
-    if (gemm.can_implement(args) != cutlass::Status::kSuccess) return kQCannotImplement;
+    if (Gemm::can_implement(args) != cutlass::Status::kSuccess) return kQCannotImplement;
     size_t ws_bytes = Gemm::get_workspace_size(args);
     void* ws = nullptr;
     if (ws_bytes > 0) {
       if (p.alloc == nullptr) return kQInitFailed;
       ws = p.alloc(ws_bytes, p.alloc_ctx);
     }
-    auto stream = static_cast<cudaStream_t>(p.stream);
-    if (gemm.initialize(args, ws, stream) != cutlass::Status::kSuccess) return kQInitFailed;
-    if (gemm.run(stream) != cutlass::Status::kSuccess) return kQLaunchFailed;
+    if (quantfuse::cutlass_run<Gemm>(args, ws, static_cast<cudaStream_t>(p.stream)) != cutlass::Status::kSuccess)
+      return kQLaunchFailed;
     return kQOk;
   }
 
