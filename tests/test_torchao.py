@@ -115,7 +115,7 @@ def int8_path(request, monkeypatch):
         monkeypatch.setattr(intmm, "_cpu_is_vnni_supported", lambda: True)
         if _torchao_int_mm_dtypes() != [torch.uint8]:
             pytest.skip("torchao writes its u8s8 form only where torch._int_mm takes uint8 on CPU "
-                        "(torch 2.12 on); with this torch a VNNI CPU gets the s8s8 form, tested as s8s8")
+                        "(torch 2.12 on); with this torch a VNNI CPU gets the s8s8 form")
     elif path == "cuda-form":
         # torchao's non-CPU path: ``_int_mm(x, w.t()) * x_scale.expand(M, N)`` (what runs on CUDA).
         monkeypatch.setattr(intmm, "_is_device", lambda *a: False)
