@@ -12,6 +12,12 @@ them with round-to-nearest quantization.
   and rounded once to the output dtype.
 * ``AWQLinear``: AWQ-format ``qweight``/``qzeros``/``scales`` (docs/DESIGN.md's bit
   order), group sizes 32/64/128 or per-channel (group = K), optional bias.
+
+Both hold their tensors as frozen parameters (``requires_grad=False``), not buffers: Dynamo
+guards every buffer a compiled graph reads with a no-aliasing check, which keeps it from
+skipping the guards of a module whose ``__dict__`` is unchanged since the last call; with
+parameters, guard evaluation skips a quantized layer as it skips an ``nn.Linear``, which
+matters per decode step (docs/DESIGN.md, "Guards").  ``set_tensors`` replaces them.
 """
 
 from __future__ import annotations
@@ -107,6 +113,51 @@ def quantize_weight_awq(weight: torch.Tensor, group_size: int, dtype=torch.float
     return qweight, qzeros, scales
 
 
+# --------------------------------------------------------------------------- held tensors
+
+
+def _frozen(t: torch.Tensor | None) -> nn.Parameter | None:
+    if t is None or isinstance(t, nn.Parameter) and not t.requires_grad:
+        return t
+    return nn.Parameter(t.detach(), requires_grad=False)
+
+
+def set_tensors(module: nn.Module, **tensors: torch.Tensor | None) -> nn.Module:
+    """Replace tensors a ``W8A8Linear`` / ``AWQLinear`` holds (``weight=...``, ``scales=...``)
+    without copying them; each is kept as a frozen parameter (see the module doc).  Returns
+    ``module``.  A name the module does not hold raises ``KeyError``."""
+    for name, t in tensors.items():
+        if name not in module._parameters:
+            raise KeyError(f"set_tensors: {type(module).__name__} holds no tensor {name!r}; "
+                           f"it holds {list(module._parameters)}")
+        module._parameters[name] = _frozen(t)
+    return module
+
+
+def held_tensors(module: nn.Module) -> dict[str, torch.Tensor | None]:
+    """name -> tensor (None where absent, e.g. no bias) of what a quantized module holds."""
+    return dict(module._parameters)
+
+
+def _dtype_attribute(name: str, doc: str) -> property:
+    """A ``torch.dtype`` attribute kept in the instance ``__dict__`` (as ``_<name>``) by the
+    dtype's name.  Dynamo skips the guards of a module whose ``__dict__`` is unchanged since the
+    last call only when every value read from it is immutable (ints, strs, tensors, ...); a
+    ``torch.dtype`` is not one, a str is.  ``forward`` reads the str, not the property: Dynamo
+    guards a property through the class ``__dict__``, which is not skipped either."""
+    key = "_" + name
+
+    def get(self) -> torch.dtype:
+        return getattr(torch, getattr(self, key))
+
+    def set_(self, dtype: torch.dtype) -> None:
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"{type(self).__name__}.{name}: {dtype!r}; expected a torch.dtype")
+        setattr(self, key, str(dtype).removeprefix("torch."))
+
+    return property(get, set_, doc=doc)
+
+
 # --------------------------------------------------------------------------- dtype conversions
 
 
@@ -117,31 +168,31 @@ def _target(fn, like: torch.Tensor) -> torch.Tensor:
 
 
 def _apply_keeping_dtypes(module: nn.Module, fn, recurse: bool, names) -> None:
-    """``nn.Module._apply(fn)``, except that each buffer in ``names`` keeps its dtype.
+    """``nn.Module._apply(fn)``, except that each held tensor in ``names`` keeps its dtype.
 
-    Where ``fn`` keeps a buffer's dtype (``.to(device)``, ``.cuda()``, ``share_memory_``,
+    Where ``fn`` keeps a tensor's dtype (``.to(device)``, ``.cuda()``, ``share_memory_``,
     ``to_empty``) it is applied as usual; where it would convert the dtype
-    (``.to(dtype)``, ``.half()``, ``.bfloat16()``, ``.float()``, ``.type()``) the buffer
+    (``.to(dtype)``, ``.half()``, ``.bfloat16()``, ``.float()``, ``.type()``) the tensor
     only follows ``fn``'s device.  Nothing changes if ``fn`` raises.
     """
     kept = {}
     for name in names:
-        t = module._buffers.get(name)
+        t = module._parameters.get(name)
         if t is None:
             continue
         probe = _target(fn, t)
         if probe.dtype != t.dtype:
-            kept[name] = (t, t.to(device=probe.device))
+            kept[name] = (t, t if probe.device == t.device else _frozen(t.to(device=probe.device)))
     for name in kept:
-        module._buffers[name] = None  # nn.Module._apply skips None buffers; the slot keeps its order
+        module._parameters[name] = None  # nn.Module._apply skips None entries; the slot keeps its order
     try:
         nn.Module._apply(module, fn, recurse)
     except BaseException:
         for name, (old, _) in kept.items():
-            module._buffers[name] = old
+            module._parameters[name] = old
         raise
     for name, (_, new) in kept.items():
-        module._buffers[name] = new
+        module._parameters[name] = new
 
 
 # --------------------------------------------------------------------------- W8A8
@@ -159,6 +210,8 @@ class W8A8Linear(nn.Module):
     """
 
     _QUANTIZED = ("weight", "weight_scale", "input_scale", "input_zero_point")
+    weight_dtype = _dtype_attribute("weight_dtype", "torch.int8 or torch.float8_e4m3fn")
+    out_dtype = _dtype_attribute("out_dtype", "the output (and bias) dtype")
 
     def __init__(
         self,
@@ -183,14 +236,15 @@ class W8A8Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight_dtype, self.out_dtype = weight_dtype, out_dtype
         self.per_channel, self.dynamic, self.per_token, self.symmetric = per_channel, dynamic, per_token, symmetric
-        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=weight_dtype))
-        self.register_buffer("weight_scale", torch.ones(out_features if per_channel else (), dtype=torch.float32))
-        self.register_buffer("bias", torch.zeros(out_features, dtype=out_dtype) if bias else None)
-        # Static quantization: calibrated scale (and zero point when asymmetric).
-        self.register_buffer("input_scale", None if dynamic else torch.ones((), dtype=torch.float32))
-        self.register_buffer(
-            "input_zero_point", None if dynamic or symmetric else torch.zeros((), dtype=torch.int32)
-        )
+        for name, t in (
+            ("weight", torch.zeros(out_features, in_features, dtype=weight_dtype)),
+            ("weight_scale", torch.ones(out_features if per_channel else (), dtype=torch.float32)),
+            ("bias", torch.zeros(out_features, dtype=out_dtype) if bias else None),
+            # Static quantization: calibrated scale (and zero point when asymmetric).
+            ("input_scale", None if dynamic else torch.ones((), dtype=torch.float32)),
+            ("input_zero_point", None if dynamic or symmetric else torch.zeros((), dtype=torch.int32)),
+        ):
+            self.register_parameter(name, _frozen(t))
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, calibration: torch.Tensor | None = None, **kw):
@@ -215,7 +269,7 @@ class W8A8Linear(nn.Module):
         """(scale, zero point or None) for float32 activations [M, K]."""
         reduce = dict(dim=-1, keepdim=True) if self.per_token else {}
         if self.symmetric:
-            qmax = INT8_MAX if self.weight_dtype == torch.int8 else FP8_MAX
+            qmax = INT8_MAX if self.weight.dtype == torch.int8 else FP8_MAX
             return (x.abs().amax(**reduce) / qmax).clamp(min=MIN_SCALE), None
         xmin = x.amin(**reduce).clamp(max=0)
         xmax = x.amax(**reduce).clamp(min=0)
@@ -231,7 +285,7 @@ class W8A8Linear(nn.Module):
         else:
             scale = self.input_scale
             zp = None if self.symmetric else self.input_zero_point.to(torch.float32)
-        if self.weight_dtype == torch.float8_e4m3fn:
+        if self.weight.dtype == torch.float8_e4m3fn:
             return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale, None
         q = torch.round(xf / scale)
         if zp is not None:
@@ -249,7 +303,7 @@ class W8A8Linear(nn.Module):
         w_scale = self.weight_scale.unsqueeze(-1) if self.per_channel else self.weight_scale
         w_dq = self.weight.to(torch.float32) * w_scale
         bias = None if self.bias is None else self.bias.to(torch.float32)
-        y = F.linear(x_dq, w_dq, bias).to(self.out_dtype)
+        y = F.linear(x_dq, w_dq, bias).to(getattr(torch, self._out_dtype))  # not the property: see _dtype_attribute
         return y.reshape(*lead, self.out_features)
 
     def _apply(self, fn, recurse=True):
@@ -287,6 +341,8 @@ class AWQLinear(nn.Module):
     ``qweight`` / ``qzeros`` never change dtype.  Device moves move everything.
     """
 
+    out_dtype = _dtype_attribute("out_dtype", "the output dtype (see the class doc)")
+
     def __init__(self, in_features: int, out_features: int, *, group_size: int = 128,
                  bias: bool = True, dtype: torch.dtype = torch.float16):
         super().__init__()
@@ -304,10 +360,11 @@ class AWQLinear(nn.Module):
         self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
         self.out_dtype = dtype
         groups, packed = in_features // group_size, out_features // AWQ_PACK
-        self.register_buffer("qweight", torch.zeros(in_features, packed, dtype=torch.int32))
-        self.register_buffer("qzeros", torch.zeros(groups, packed, dtype=torch.int32))
-        self.register_buffer("scales", torch.ones(groups, out_features, dtype=dtype))
-        self.register_buffer("bias", torch.zeros(out_features, dtype=dtype) if bias else None)
+        for name, t in (("qweight", torch.zeros(in_features, packed, dtype=torch.int32)),
+                        ("qzeros", torch.zeros(groups, packed, dtype=torch.int32)),
+                        ("scales", torch.ones(groups, out_features, dtype=dtype)),
+                        ("bias", torch.zeros(out_features, dtype=dtype) if bias else None)):
+            self.register_parameter(name, _frozen(t))
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int = 128, dtype: torch.dtype = torch.float16):
@@ -376,11 +433,12 @@ class AWQLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         compute = self.scales.dtype
-        if self.out_dtype != compute:  # converted to a dtype the format cannot hold (see the class doc)
+        out_dtype = getattr(torch, self._out_dtype)  # not the property: see _dtype_attribute
+        if out_dtype != compute:  # converted to a dtype the format cannot hold (see the class doc)
             x = x.to(compute)
         y = torch.matmul(x, self.dequantized_weight())
         y = y if self.bias is None else y + self.bias
-        return y if self.out_dtype == compute else y.to(self.out_dtype)
+        return y if out_dtype == compute else y.to(out_dtype)
 
     def _apply(self, fn, recurse=True):
         target = _target(fn, torch.empty(0, dtype=self.out_dtype, device=self.qweight.device)).dtype
@@ -502,5 +560,6 @@ def quantize_model(model: nn.Module, scheme, *, dtype: torch.dtype = None, skip=
 
 __all__ = [
     "AWQ_ORDER", "AWQLinear", "SCHEMES", "Scheme", "W8A8Linear", "awq_pack", "awq_unpack_values",
-    "quantize_model", "quantize_weight_awq", "quantize_weight_fp8", "quantize_weight_int8",
+    "held_tensors", "quantize_model", "quantize_weight_awq", "quantize_weight_fp8", "quantize_weight_int8",
+    "set_tensors",
 ]

@@ -37,7 +37,7 @@ from torch import nn
 from torch.distributed import _functional_collectives as funcol
 
 from .ops import AWQ_PACK
-from .quantize import AWQLinear, W8A8Linear
+from .quantize import AWQLinear, W8A8Linear, set_tensors
 
 COLWISE, ROWWISE = "colwise", "rowwise"
 
@@ -95,9 +95,7 @@ def _share(name: str, what: str, total: int, ranks: int, multiple: int = 1) -> i
 
 
 def _set_buffers(module: nn.Module, **tensors) -> nn.Module:
-    for key, value in tensors.items():
-        module._buffers[key] = value
-    return module
+    return set_tensors(module, **tensors)
 
 
 def _shard_w8a8(mod: W8A8Linear, name: str, style: str, rank: int, ranks: int):

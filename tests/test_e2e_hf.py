@@ -152,9 +152,11 @@ def test_generate_cpu(scheme):
 
 def _grad_mode_model(scheme, dtype):
     """As built: every float parameter (embedding, RMSNorms, lm_head) trainable; the quantized
-    weights are buffers."""
+    layers' tensors are frozen parameters."""
     model = quantize_model(tiny_llama(dtype=dtype), scheme)
-    assert all(p.requires_grad for p in model.parameters()) and torch.is_grad_enabled()
+    quantized = {id(p) for m in model.modules() if isinstance(m, (W8A8Linear, AWQLinear)) for p in m.parameters()}
+    assert quantized and torch.is_grad_enabled()
+    assert all(p.requires_grad != (id(p) in quantized) for p in model.parameters())
     return model
 
 

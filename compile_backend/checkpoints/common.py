@@ -47,21 +47,25 @@ def by_module(keys) -> dict[str, dict[str, str]]:
     return out
 
 
-def fill_buffers(module: nn.Module, name: str, tensors: dict[str, torch.Tensor]) -> nn.Module:
-    """Set ``module``'s buffers (built on the meta device) to ``tensors``, checking each against
-    the placeholder's shape and dtype; every buffer the module holds must be given."""
-    for buf, placeholder in module._buffers.items():
+def fill_tensors(module: nn.Module, name: str, tensors: dict[str, torch.Tensor]) -> nn.Module:
+    """Set the tensors a quantized module (built on the meta device) holds to ``tensors``,
+    checking each against the placeholder's shape and dtype; every tensor the module holds
+    must be given."""
+    from ..quantize import held_tensors, set_tensors
+
+    filled = {}
+    for key, placeholder in held_tensors(module).items():
         if placeholder is None:
             continue
-        if buf not in tensors:
-            raise UnsupportedCheckpointError(f"{name}: no tensor for the module's {buf!r}")
-        t = tensors[buf]
+        if key not in tensors:
+            raise UnsupportedCheckpointError(f"{name}: no tensor for the module's {key!r}")
+        t = tensors[key]
         if tuple(t.shape) != tuple(placeholder.shape) or t.dtype != placeholder.dtype:
             raise UnsupportedCheckpointError(
-                f"{name}.{buf}: converted to shape {tuple(t.shape)}, dtype {t.dtype}; the module holds "
+                f"{name}.{key}: converted to shape {tuple(t.shape)}, dtype {t.dtype}; the module holds "
                 f"shape {tuple(placeholder.shape)}, dtype {placeholder.dtype}")
-        module._buffers[buf] = t.contiguous()
-    return module
+        filled[key] = t.contiguous()
+    return set_tensors(module, **filled)
 
 
 def check_tensor(key: str, t: torch.Tensor, *, dtypes=None, shapes=None, what: str = "") -> torch.Tensor:

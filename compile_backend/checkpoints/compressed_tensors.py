@@ -28,7 +28,7 @@ from torch import nn
 
 from ..quantize import W8A8Linear
 from . import pack_quantized
-from .common import LayerPlan, UnsupportedCheckpointError, check_tensor, fill_buffers, unsupported
+from .common import LayerPlan, UnsupportedCheckpointError, check_tensor, fill_tensors, unsupported
 
 log = logging.getLogger("quantfuse.checkpoints")
 
@@ -250,16 +250,16 @@ def _load_w8a8(name, keys, t, scheme, K, N, has_bias, dtype) -> nn.Module:
         if suffix in t and symmetric and torch.count_nonzero(t[suffix]):
             raise UnsupportedCheckpointError(
                 f"checkpoint tensor {keys[suffix]!r} holds non-zero zero points for a symmetric scheme")
-    buffers = {"weight": weight, "weight_scale": scale.to(torch.float32)}
+    tensors = {"weight": weight, "weight_scale": scale.to(torch.float32)}
     if has_bias:
         bias = check_tensor(keys["bias"], t["bias"], dtypes=SCALE_DTYPES, shapes=[(N,)])
-        buffers["bias"] = bias.to(dtype)
+        tensors["bias"] = bias.to(dtype)
     if not scheme["dynamic"]:
         s = check_tensor(keys["input_scale"], t["input_scale"], dtypes=SCALE_DTYPES)
-        buffers["input_scale"] = _scalar(keys["input_scale"], s).to(torch.float32)
+        tensors["input_scale"] = _scalar(keys["input_scale"], s).to(torch.float32)
         if not scheme["symmetric"]:
-            buffers["input_zero_point"] = _zero_point(
+            tensors["input_zero_point"] = _zero_point(
                 keys["input_zero_point"], _scalar(keys["input_zero_point"], t["input_zero_point"]))
     with torch.device("meta"):
         module = W8A8Linear(K, N, bias=has_bias, out_dtype=dtype, **scheme)
-    return fill_buffers(module, name, buffers)
+    return fill_tensors(module, name, tensors)
