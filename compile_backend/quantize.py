@@ -139,6 +139,17 @@ def held_tensors(module: nn.Module) -> dict[str, torch.Tensor | None]:
     return dict(module._parameters)
 
 
+class _HoldsTensors(nn.Module):
+    """Assigning a plain tensor to a held name (``layer.scales = t``) stores it as a frozen
+    parameter, as assigning to a buffer stored it before."""
+
+    def __setattr__(self, name: str, value) -> None:
+        params = self.__dict__.get("_parameters")
+        if params is not None and name in params and isinstance(value, torch.Tensor):
+            value = _frozen(value)
+        super().__setattr__(name, value)
+
+
 def _dtype_attribute(name: str, doc: str) -> property:
     """A ``torch.dtype`` attribute kept in the instance ``__dict__`` (as ``_<name>``) by the
     dtype's name.  Dynamo skips the guards of a module whose ``__dict__`` is unchanged since the
@@ -198,7 +209,7 @@ def _apply_keeping_dtypes(module: nn.Module, fn, recurse: bool, names) -> None:
 # --------------------------------------------------------------------------- W8A8
 
 
-class W8A8Linear(nn.Module):
+class W8A8Linear(_HoldsTensors):
     """y = dequant(quant(x)) @ dequant(w).T + bias, in the dequantize-then-matmul form.
 
     Float dtype conversions of the module (``.to(dtype)``, ``.half()``, ``.bfloat16()``,
@@ -325,7 +336,7 @@ class W8A8Linear(nn.Module):
 # --------------------------------------------------------------------------- AWQ
 
 
-class AWQLinear(nn.Module):
+class AWQLinear(_HoldsTensors):
     """W4A16 linear layer holding AWQ-format weights; dequantizes in the activation dtype.
 
     ``group_size`` is a positive divisor of ``in_features``, or -1 (or 0) for one group

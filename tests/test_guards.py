@@ -148,3 +148,27 @@ def test_changed_dtype_attribute_recompiles():
     assert out.dtype == torch.bfloat16
     assert all(m.out_dtype == torch.bfloat16 for m in model.modules() if isinstance(m, W8A8Linear))
     torch.testing.assert_close(out, model(x.bfloat16()), rtol=0, atol=0)
+
+
+def test_held_tensors_are_frozen_parameters():
+    """What the guard behaviour rests on, and what users see of it: same state_dict keys as
+    ever, frozen parameters however a tensor is set, dtypes held by name."""
+    from compile_backend.quantize import set_tensors
+
+    mod = W8A8Linear.from_linear(nn.Linear(HIDDEN, 32), out_dtype=torch.float32)
+    assert list(mod.state_dict()) == ["weight", "weight_scale", "bias"]
+    assert all(isinstance(p, nn.Parameter) and not p.requires_grad for p in mod.parameters())
+    mod.weight_scale = mod.weight_scale * 2  # plain assignment, as with a buffer
+    set_tensors(mod, bias=torch.ones(32))
+    for name in ("weight_scale", "bias"):
+        t = getattr(mod, name)
+        assert isinstance(t, nn.Parameter) and not t.requires_grad, name
+    assert not mod._buffers
+    with pytest.raises(KeyError, match="holds no tensor 'scales'"):
+        set_tensors(mod, scales=torch.ones(1))
+    mod.half()
+    assert mod.out_dtype == torch.float16 and mod.bias.dtype == torch.float16 and mod.weight.dtype == torch.int8
+    assert mod.__dict__["_out_dtype"] == "float16"  # a str: immutable for Dynamo
+    awq = AWQLinear.from_linear(nn.Linear(HIDDEN, 32), group_size=32)
+    assert list(awq.state_dict()) == ["qweight", "qzeros", "scales", "bias"]
+    assert all(not p.requires_grad for p in awq.parameters())
