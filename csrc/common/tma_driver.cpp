@@ -1,8 +1,8 @@
 // cuTensorMapEncodeTiled for CUTLASS's TMA descriptors, looked up in the driver once.
 //
-// CUTLASS encodes each TMA descriptor on the host; by default it first asks the runtime for the
-// driver function by name (cudaGetDriverEntryPoint[ByVersion]) on every descriptor, which costs
-// more host time than the encoding itself, and an SM90 GEMM call encodes four to five of them.
+// CUTLASS encodes each TMA descriptor on the host (four to five per SM90 GEMM call); by default it
+// first asks the runtime for the driver function by name (cudaGetDriverEntryPoint[ByVersion]) on
+// every descriptor.
 // The build (compile_backend/build_config.py, DRIVER_DEFINES) makes CUTLASS call the function
 // directly and renames it to this one, which caches the driver's entry point.  The library is
 // not linked against libcuda: it loads wherever torch's CUDA build loads.
