@@ -533,7 +533,8 @@ def _quantize_linear(linear: nn.Linear, scheme: Scheme, dtype) -> nn.Module:
         per_token=scheme.per_token, symmetric=scheme.symmetric, out_dtype=out_dtype)
 
 
-def quantize_model(model: nn.Module, scheme, *, dtype: torch.dtype = None, skip=("lm_head",)) -> nn.Module:
+def quantize_model(model: nn.Module, scheme, *, dtype: torch.dtype = None, skip=("lm_head",), mesh=None,
+                   tp_plan: dict | None = None) -> nn.Module:
     """Replace every ``nn.Linear`` (except names in ``skip``) with its quantized form, in place.
 
     ``scheme`` is a ``Scheme`` or one of ``SCHEMES``' names.  ``dtype`` is the
@@ -545,6 +546,10 @@ def quantize_model(model: nn.Module, scheme, *, dtype: torch.dtype = None, skip=
     then are they swapped in, so a layer that cannot be quantized (e.g. a K that the
     group size does not divide) raises ``ValueError`` naming it and leaves the model as
     it was.  A linear shared by several parents gets one shared replacement.
+
+    ``mesh``: a 1-D ``DeviceMesh`` or a process group; the quantized model is then sharded over
+    it with ``compile_backend.tensor_parallel.tensor_parallel(model, mesh, tp_plan)``
+    (``tp_plan`` default: its ``LLAMA_PLAN``).  Every rank calls this on the same model.
     """
     if isinstance(scheme, str):
         if scheme not in SCHEMES:
@@ -566,6 +571,10 @@ def quantize_model(model: nn.Module, scheme, *, dtype: torch.dtype = None, skip=
                                  "the model was left unchanged") from exc
     for parent, name, linear, _ in plan:
         setattr(parent, name, made[id(linear)])
+    if mesh is not None:
+        from .tensor_parallel import tensor_parallel
+
+        tensor_parallel(model, mesh, tp_plan)
     return model
 
 

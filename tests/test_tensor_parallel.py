@@ -48,7 +48,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _model(hidden: int, intermediate: int):
+def _model(hidden: int, intermediate: int, mesh=None):
     from compile_backend.quantize import quantize_model
 
     cfg = transformers.LlamaConfig(
@@ -64,7 +64,7 @@ def _model(hidden: int, intermediate: int):
                 m.bias.normal_(0, 0.5)
     model = model.to(torch.bfloat16)
     quantize_model(model, "int8", skip=("lm_head", "mlp"))  # attention: W8A8 int8
-    quantize_model(model, "awq-g32")  # MLP: AWQ; the row-parallel shards hold whole groups
+    quantize_model(model, "awq-g32", mesh=mesh)  # MLP: AWQ; the row-parallel shards hold whole groups
     return model
 
 
@@ -145,6 +145,11 @@ def _run(rank: int, out: str, dev: torch.device) -> None:
         res["sharded"] = model(ids, use_cache=False).logits.float().cpu()
         other = torch.randint(0, VOCAB, (3, 13), generator=torch.Generator().manual_seed(2)).to(dev)
         res["sharded_other"] = model(other, use_cache=False).logits.float().cpu()
+        # quantize_model(..., mesh=...) shards as tensor_parallel does
+        via_mesh = _model(hidden, intermediate, mesh=dist.group.WORLD).to(dev)
+        res["mesh_rowwise"] = isinstance(via_mesh.model.layers[0].mlp.down_proj, RowParallelLinear)
+        res["mesh_equal"] = torch.equal(via_mesh(ids, use_cache=False).logits.float().cpu(), res["sharded"])
+    _run_from_pretrained(rank, out, dev, res)
 
     torch._dynamo.reset()
     counters.clear()
@@ -167,6 +172,27 @@ def _run(rank: int, out: str, dev: torch.device) -> None:
     res["quantfuse_mms"] = sum(src.count(f"torch.ops.quantfuse.{op}.default(") for op in ("scaled_mm", "awq_gemm"))
     res["world"] = dist.get_world_size()
     torch.save(res, os.path.join(out, f"rank{rank}.pt"))
+
+
+def _run_from_pretrained(rank: int, out: str, dev: torch.device, res: dict) -> None:
+    """from_pretrained(..., mesh=...): an AWQ checkpoint loaded and sharded on every rank, against the
+    same checkpoint loaded unsharded."""
+    import torch.distributed as dist
+    from test_checkpoints import write_awq
+
+    from compile_backend import from_pretrained
+    from compile_backend.tensor_parallel import RowParallelLinear
+
+    folder = os.path.join(out, "awq_checkpoint")
+    if rank == 0:
+        write_awq(folder, shards=1)
+    dist.barrier()
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(3)).to(dev)
+    with torch.no_grad():
+        whole = from_pretrained(folder, device=dev)(ids).logits.float().cpu()
+        sharded = from_pretrained(folder, device=dev, mesh=dist.group.WORLD)
+        res["ckpt_rowwise"] = isinstance(sharded.model.layers[0].mlp.down_proj, RowParallelLinear)
+        res["ckpt_err"] = _rel(sharded(ids).logits.float().cpu(), whole)
 
 
 @pytest.fixture(scope="module", params=[
@@ -230,3 +256,10 @@ def test_sharding_twice_raises(tp_results):
         msg = res["twice"]
         assert msg is not None and "already a shard" in msg and "q_proj" in msg, (rank, msg)
         assert res["twice_unchanged"], rank
+
+
+def test_quantize_model_and_from_pretrained_take_a_mesh(tp_results):
+    for rank, res in enumerate(tp_results):
+        assert res["mesh_rowwise"] and res["mesh_equal"], rank
+        assert res["ckpt_rowwise"], rank
+        assert res["ckpt_err"] < TOL_SHARDED, (rank, res["ckpt_err"])

@@ -36,7 +36,7 @@ def checkpoint_format(qcfg):
     return FORMATS[method](qcfg)
 
 
-def from_pretrained(path, dtype=None, device=None):
+def from_pretrained(path, dtype=None, device=None, mesh=None, tp_plan=None):
     """Load a quantized checkpoint into a transformers model whose quantized linears are
     ``W8A8Linear`` / ``AWQLinear``, ready for ``torch.compile(model, backend="quantfuse")``.
 
@@ -49,6 +49,9 @@ def from_pretrained(path, dtype=None, device=None):
     transformers).  ``dtype``: the activation dtype of the
     model (its unquantized weights, the layers' outputs); default (or ``"auto"``) the config's
     ``dtype`` / ``torch_dtype``.  ``device``: where the tensors are read to (default CPU).
+    ``mesh``: a 1-D ``DeviceMesh`` or a process group to shard the loaded model over with
+    ``compile_backend.tensor_parallel.tensor_parallel(model, mesh, tp_plan)``; every rank loads the
+    checkpoint, then keeps its shards.
 
     Unquantized tensors the model class keeps in float32 (transformers' ``_keep_in_fp32_modules``
     for float16, ``_keep_in_fp32_modules_strict`` for float16 and bfloat16) are loaded in float32.
@@ -144,4 +147,8 @@ def from_pretrained(path, dtype=None, device=None):
     model.to(device).eval()
     counts = Counter(p.scheme for p in plans.values())
     log.info("loaded %s: %s", folder, "; ".join(f"{n} x {s}" for s, n in counts.items()))
+    if mesh is not None:
+        from ..tensor_parallel import tensor_parallel
+
+        tensor_parallel(model, mesh, tp_plan)
     return model
