@@ -94,10 +94,6 @@ def _share(name: str, what: str, total: int, ranks: int, multiple: int = 1) -> i
     return total // ranks
 
 
-def _set_buffers(module: nn.Module, **tensors) -> nn.Module:
-    return set_tensors(module, **tensors)
-
-
 def _shard_w8a8(mod: W8A8Linear, name: str, style: str, rank: int, ranks: int):
     K, N = mod.in_features, mod.out_features
     kw = dict(weight_dtype=mod.weight_dtype, per_channel=mod.per_channel, dynamic=mod.dynamic,
@@ -108,12 +104,12 @@ def _shard_w8a8(mod: W8A8Linear, name: str, style: str, rank: int, ranks: int):
         with torch.device("meta"):
             local = W8A8Linear(K, n, bias=mod.bias is not None, **kw)
         scale = _slice(mod.weight_scale, 0, rank, n) if mod.per_channel else mod.weight_scale
-        return _set_buffers(local, weight=_slice(mod.weight, 0, rank, n), weight_scale=scale,
+        return set_tensors(local, weight=_slice(mod.weight, 0, rank, n), weight_scale=scale,
                             bias=_slice(mod.bias, 0, rank, n), **shared), None
     k = _share(name, "in_features", K, ranks)
     with torch.device("meta"):
         local = W8A8Linear(k, N, bias=False, **kw)
-    return _set_buffers(local, weight=_slice(mod.weight, 1, rank, k), weight_scale=mod.weight_scale,
+    return set_tensors(local, weight=_slice(mod.weight, 1, rank, k), weight_scale=mod.weight_scale,
                         **shared), mod.bias
 
 
@@ -124,7 +120,7 @@ def _shard_awq(mod: AWQLinear, name: str, style: str, rank: int, ranks: int):
         n = _share(name, "out_features", N, ranks, AWQ_PACK)
         with torch.device("meta"):
             local = AWQLinear(K, n, group_size=G, bias=mod.bias is not None, dtype=dtype)
-        _set_buffers(local, qweight=_slice(mod.qweight, 1, rank, n // AWQ_PACK),
+        set_tensors(local, qweight=_slice(mod.qweight, 1, rank, n // AWQ_PACK),
                      qzeros=_slice(mod.qzeros, 1, rank, n // AWQ_PACK), scales=_slice(mod.scales, 1, rank, n),
                      bias=_slice(mod.bias, 0, rank, n))
         local.out_dtype = mod.out_dtype
@@ -140,7 +136,7 @@ def _shard_awq(mod: AWQLinear, name: str, style: str, rank: int, ranks: int):
                          f"shards; the shard size must be a multiple or a divisor of the group size")
     with torch.device("meta"):
         local = AWQLinear(k, N, group_size=group, bias=False, dtype=dtype)
-    _set_buffers(local, qweight=_slice(mod.qweight, 0, rank, k),
+    set_tensors(local, qweight=_slice(mod.qweight, 0, rank, k),
                  qzeros=mod.qzeros.narrow(0, first, rows).clone(), scales=mod.scales.narrow(0, first, rows).clone())
     local.out_dtype = mod.out_dtype
     return local, mod.bias

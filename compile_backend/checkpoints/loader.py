@@ -98,7 +98,7 @@ def from_pretrained(path, dtype=None, device=None, mesh=None, tp_plan=None):
             owner.update({k: plan for k in plan.keys})
             skeleton_ops.replace(model, name, plan.placeholder)
     if kept is not None:
-        upcast = skeleton_ops.upcast_kept(model, kept)
+        upcast = skeleton_ops.upcast_kept(model, kept, plans)
         if upcast:
             log.info("from_pretrained: kept in float32 as %s asks: %s", type(model).__name__, upcast)
     if not plans:

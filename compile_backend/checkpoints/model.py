@@ -76,11 +76,14 @@ def keep_in_fp32(model: nn.Module, dtype: torch.dtype) -> re.Pattern | None:
     return re.compile("|".join(f"(?:{g.replace('*', '.*')})" for g in sorted(kept)))
 
 
-def upcast_kept(model: nn.Module, kept: re.Pattern) -> list[str]:
+def upcast_kept(model: nn.Module, kept: re.Pattern, quantized) -> list[str]:
     """Makes the still unloaded float parameters and buffers whose names ``kept`` matches float32,
-    so that ``set_tensor`` converts their checkpoint values to float32; returns their names."""
+    so that ``set_tensor`` converts their checkpoint values to float32; returns their names.
+    Modules named in ``quantized`` (placeholders of quantized layers) keep their dtypes."""
     names = []
     for mod_name, module in model.named_modules():
+        if mod_name in quantized:
+            continue
         for store in (module._parameters, module._buffers):
             for attr, t in store.items():
                 full = f"{mod_name}.{attr}" if mod_name else attr
