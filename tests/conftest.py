@@ -66,6 +66,20 @@ def _kernels_for_gpu_tests(request):
         request.getfixturevalue("cuda_kernels")
 
 
+@pytest.fixture
+def isolated_loader(monkeypatch):
+    """The kernels' loader as in a process that has not loaded them yet, for tests that simulate a
+    load (a prebuilt library, a failed build).  Its load hooks are emptied: a simulated load must
+    not remove or reinstall the ops' CUDA registrations of this process, where on a GPU machine the
+    real kernels are loaded (a reinstalled bootstrap would take every CUDA call from then on)."""
+    from compile_backend import kernels
+
+    monkeypatch.setattr(kernels, "_state", {"status": "unloaded", "error": None, "kernels": None, "library": None})
+    monkeypatch.setattr(kernels, "_before_load", [])
+    monkeypatch.setattr(kernels, "_after_failed_load", [])
+    return kernels
+
+
 # --------------------------------------------------------------------------- GPU helpers
 
 

@@ -14,10 +14,9 @@ from compile_backend import kernels, ops
 
 
 @pytest.fixture
-def fresh_loader(monkeypatch):
-    monkeypatch.setattr(kernels, "_state", {"status": "unloaded", "error": None, "kernels": None, "library": None})
-    monkeypatch.setattr(kernels, "prebuilt_library", lambda: None)  # as in a source checkout
-    return kernels
+def fresh_loader(isolated_loader, monkeypatch):
+    monkeypatch.setattr(isolated_loader, "prebuilt_library", lambda: None)  # as in a source checkout
+    return isolated_loader
 
 
 def test_cpu_machine_does_nothing_and_prints_nothing():
@@ -68,9 +67,6 @@ def test_build_failure_warns_once_then_references_run(fresh_loader, monkeypatch,
         raise RuntimeError("nvcc not found")
 
     monkeypatch.setattr(fresh_loader, "build", failing_build)
-    # the ops' registrations stay as they are (on a GPU the loaded kernels' must stay active)
-    monkeypatch.setattr(ops, "_bootstrap_lib", None)
-    monkeypatch.setattr(ops, "_install_bootstrap", lambda: None)
     with pytest.warns(RuntimeWarning, match="could not be built or loaded.*nvcc not found"):
         assert not fresh_loader.ensure_loaded()
     import warnings

@@ -127,14 +127,13 @@ def test_arch_list_runs_on(arch_list, capability, runs):
 
 
 @pytest.fixture
-def prebuilt(tmp_path, monkeypatch):
+def prebuilt(isolated_loader, tmp_path, monkeypatch):
     """A fake prebuilt library next to a fake package, on a fake Hopper GPU."""
     library = tmp_path / "_C.cpython-311-x86_64-linux-gnu.so"
     library.write_bytes(b"")
     os.utime(library, (4e9, 4e9))  # newer than every source: built after the checkout's last change
     info = {"torch": torch.__version__.split("+")[0] + "+cu130", "cuda": "13.0", "arch_list": "8.0;9.0a"}
     (tmp_path / build_config.PREBUILT_INFO).write_text(json.dumps(info))
-    monkeypatch.setattr(kernels, "_state", {"status": "unloaded", "error": None, "kernels": None, "library": None})
     monkeypatch.setattr(kernels, "prebuilt_library", lambda: library)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
@@ -184,7 +183,10 @@ def test_prebuilt_library_not_used_builds_from_source(prebuilt, monkeypatch, cap
 
 
 def test_prebuilt_library_that_fails_to_load_falls_back_to_jit_then_warns_once(prebuilt, monkeypatch):
+    from compile_backend import ops
+
     library, loaded, built = prebuilt
+    registrations = ops._bootstrap_lib
 
     def failing_load(path):
         raise OSError("undefined symbol: _ZN3c10")
@@ -198,6 +200,9 @@ def test_prebuilt_library_that_fails_to_load_falls_back_to_jit_then_warns_once(p
         assert not kernels.ensure_loaded()
     assert kernels.status()["status"] == "failed"
     assert not kernels.ensure_loaded()  # no second attempt, no second warning
+    # The simulated failure left this process's own CUDA registrations alone (on a GPU machine, a
+    # bootstrap put back over the loaded kernels would recurse on every later CUDA call).
+    assert ops._bootstrap_lib is registrations
 
 
 def test_loggers_are_under_quantfuse():
