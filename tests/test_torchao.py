@@ -97,6 +97,21 @@ class Parallel(torch.nn.Module):
             parts.append((2 * (acc_term + z_term)).reshape(*xi.shape[:-1], -1))
         return torch.cat(parts, dim=-1)
 
+    def exact(self, x) -> torch.Tensor:
+        """``(a·s_a)(w·s_b)ᵀ + bias`` per linear in float64, from torchao's own quantization of each
+        input: the value the fused op rounds once."""
+        parts = []
+        for lin, xi in zip(self.linears(), self.inputs(x)):
+            w = lin.weight
+            q = _choose_quant_func_and_quantize_tensor(xi, w.act_quant_kwargs)
+            a = q.qdata.double().reshape(-1, xi.shape[-1])
+            sa = q.scale.double().reshape(-1, 1)
+            v = (a @ w.qdata.double().t()) * sa * w.scale.double().reshape(1, -1)
+            if lin.bias is not None:
+                v = v + lin.bias.double()
+            parts.append(v.reshape(*xi.shape[:-1], -1))
+        return torch.cat(parts, dim=-1)
+
     def bias(self) -> torch.Tensor:
         """The biases as they are added to the concatenated output (zeros where none)."""
         parts = [m.bias if m.bias is not None else torch.zeros(m.out_features, device=m.weight.device)
@@ -529,12 +544,27 @@ def test_torchao_not_imported_by_the_package_or_its_passes():
 GPU_K, GPU_WIDTHS = 256, (256, 128, 384)  # sizes the kernels take (multiples of their tiles)
 
 
-def _gpu_compile(model, m, dtype):
-    x = torch.randn(m, GPU_K, dtype=dtype, device="cuda", generator=torch.Generator("cuda").manual_seed(m))
+def _gpu_compile(model, m, dtype, x=None):
+    if x is None:
+        x = torch.randn(m, GPU_K, dtype=dtype, device="cuda", generator=torch.Generator("cuda").manual_seed(m))
     with torch.no_grad():
         ref = model(x)
     out, code, report = _compile_and_run(model, x)
     return x, ref, out, code, report
+
+
+def fp8_exact_input(m: int, k: int, dtype, seed: int) -> torch.Tensor:
+    """``m × k`` activations that quantize to float8_e4m3fn exactly, by any correct evaluation: e4m3
+    values times one power of two, with ±448 (e4m3's largest) in every row, so that amax / 448 is that
+    power of two per row and per tensor alike, and ``x / scale`` an e4m3 value.  Inductor's fused
+    quantization (a division in another order) and torchao's eager one then give the same operands,
+    and the comparison sees the matmul and its epilogue alone: on random activations an element
+    quantized one e4m3 step apart moves its whole output row by more than any rounding bound."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(m, k, generator=gen).mul(64).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    peak = torch.randint(0, k, (m,), generator=gen)
+    q[torch.arange(m), peak] = 448.0 * torch.where(torch.rand(m, generator=gen) < 0.5, -1.0, 1.0)
+    return (q * 2.0**-7).to(dtype).cuda()  # e4m3 values carry 4 significant bits: exact in bf16
 
 
 @pytest.mark.gpu
@@ -545,7 +575,7 @@ def test_gpu_fp8_dynamic(granularity, m):
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("torchao's fp8 configs need sm_89 or later")
     model = fp8_model(torch.bfloat16, granularity, k=GPU_K, widths=GPU_WIDTHS, device="cuda")
-    x, ref, out, code, report = _gpu_compile(model, m, torch.bfloat16)
+    x, ref, out, code, report = _gpu_compile(model, m, torch.bfloat16, fp8_exact_input(m, GPU_K, torch.bfloat16, m))
     if torch.cuda.get_device_capability()[0] != 9:
         # Beyond Hopper's kernels torch._scaled_mm is kept, and the report says why.
         assert report.counts() == {} and len(report.unfused) == 3, report
@@ -556,7 +586,14 @@ def test_gpu_fp8_dynamic(granularity, m):
     # torch._scaled_mm accumulates with fast accumulation on Hopper (reduced-precision partial
     # sums: conftest.check_w8a8 allows 2e-3 of max|ref| for fp8); ours keeps float32 sums.
     fast_accum = 2e-3 * ref.double().abs().max()
-    check_source_bound(out, ref, model.bias(), torch.float32, fp8_accumulation(model, x) + fast_accum)
+    accumulation = fp8_accumulation(model, x)
+    check_source_bound(out, ref, model.bias(), torch.float32, accumulation + fast_accum)
+    # The op's own contract: float32 sums of the exact products, one rounding to bfloat16.
+    with torch.no_grad():
+        exact = model.exact(x)
+    err = (out.double() - exact).abs()
+    bound = UNIT_ROUNDOFF[torch.bfloat16] * exact.abs() + accumulation + 4 * 2.0**-24 * exact.abs()
+    assert (err <= bound).all(), f"{int((err > bound).sum())} elements beyond the bound; max err {err.max():.3g}"
 
 
 @pytest.mark.gpu
