@@ -206,6 +206,24 @@ def _apply_keeping_dtypes(module: nn.Module, fn, recurse: bool, names) -> None:
         module._parameters[name] = new
 
 
+# --------------------------------------------------------------------------- eager calls of the fused ops
+
+_OP_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def calls_op_eagerly(x: torch.Tensor) -> bool:
+    """Whether a quantized layer's ``forward`` calls its fused op itself rather than writing the
+    dequantize-then-matmul form: in eager inference on CUDA, where that form would dequantize every
+    weight on every call (transformers' ``generate`` runs its prefill eagerly, so a prompt would pay
+    it in every layer).  Never while a graph is traced (Dynamo, or any dispatch mode such as
+    ``make_fx``'s): the passes match the form and fuse it there.  Never where autograd records the
+    call (the form's own derivatives stay).  The op's result is what the compiled model computes."""
+    # is_compiling() first: Dynamo folds it to True and reads nothing after it.
+    return (not torch.compiler.is_compiling() and x.is_cuda and type(x) is torch.Tensor
+            and not (torch.is_grad_enabled() and x.requires_grad)
+            and torch._C._len_torch_dispatch_stack() == 0)
+
+
 # --------------------------------------------------------------------------- W8A8
 
 
@@ -306,6 +324,10 @@ class W8A8Linear(_HoldsTensors):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
+        out_dtype = getattr(torch, self._out_dtype)  # not the property: see _dtype_attribute
+        if (calls_op_eagerly(x2) and out_dtype in _OP_DTYPES
+                and (self.bias is None or self.bias.dtype == out_dtype)):
+            return self.forward_op(x2).reshape(*lead, self.out_features)
         q, scale, zp = self.quantize_input(x2)
         xq = q.to(torch.float32)
         if zp is not None:
@@ -314,8 +336,23 @@ class W8A8Linear(_HoldsTensors):
         w_scale = self.weight_scale.unsqueeze(-1) if self.per_channel else self.weight_scale
         w_dq = self.weight.to(torch.float32) * w_scale
         bias = None if self.bias is None else self.bias.to(torch.float32)
-        y = F.linear(x_dq, w_dq, bias).to(getattr(torch, self._out_dtype))  # not the property: see _dtype_attribute
+        y = F.linear(x_dq, w_dq, bias).to(out_dtype)
         return y.reshape(*lead, self.out_features)
+
+    def forward_op(self, x2: torch.Tensor) -> torch.Tensor:
+        """``forward`` of ``[M, K]`` activations through ``quantfuse::scaled_mm`` (or ``scaled_mm_azp``
+        with zero points), as the passes fuse the form: the quantized activation, the weight's
+        transpose, float32 scale vectors, the bias in ``out_dtype``; per-token zero points with the
+        weight's column sums, a per-tensor one folded into them."""
+        q, scale, zp = self.quantize_input(x2)
+        out_dtype = getattr(torch, self._out_dtype)
+        args = (q, self.weight.t(), scale.reshape(-1), self.weight_scale.reshape(-1), out_dtype)
+        if zp is None:
+            return torch.ops.quantfuse.scaled_mm(*args, self.bias)
+        colsum = torch.ops.quantfuse.weight_colsum(self.weight)
+        if zp.numel() == 1 and not self.per_token:
+            return torch.ops.quantfuse.scaled_mm_azp(*args, colsum * zp.to(torch.int32).reshape(()), None, self.bias)
+        return torch.ops.quantfuse.scaled_mm_azp(*args, colsum, zp.to(torch.int32).reshape(-1), self.bias)
 
     def _apply(self, fn, recurse=True):
         target = _target(fn, torch.empty(0, dtype=self.out_dtype, device=self.weight.device)).dtype
@@ -447,9 +484,17 @@ class AWQLinear(_HoldsTensors):
         out_dtype = getattr(torch, self._out_dtype)  # not the property: see _dtype_attribute
         if out_dtype != compute:  # converted to a dtype the format cannot hold (see the class doc)
             x = x.to(compute)
+        if calls_op_eagerly(x) and (self.bias is None or self.bias.dtype == compute):
+            y = self.forward_op(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
+            return y if out_dtype == compute else y.to(out_dtype)
         y = torch.matmul(x, self.dequantized_weight())
         y = y if self.bias is None else y + self.bias
         return y if out_dtype == compute else y.to(out_dtype)
+
+    def forward_op(self, x2: torch.Tensor) -> torch.Tensor:
+        """``forward`` of ``[M, K]`` activations in the scales' dtype through ``quantfuse::awq_gemm``
+        (the bias folded in), as the passes fuse the form."""
+        return torch.ops.quantfuse.awq_gemm(x2, self.qweight, self.scales, self.qzeros, self.group_size, self.bias)
 
     def _apply(self, fn, recurse=True):
         target = _target(fn, torch.empty(0, dtype=self.out_dtype, device=self.qweight.device)).dtype

@@ -130,6 +130,71 @@ def test_w8a8_linear_matches_scaled_mm_op():
     torch.testing.assert_close(out, mod(x), rtol=1e-5, atol=1e-5)
 
 
+STATIC_VARIANTS = [dict(weight_dtype=torch.int8, dynamic=False, per_token=False, symmetric=symmetric)
+                   for symmetric in (True, False)]
+
+
+@pytest.mark.parametrize("kw", W8A8_VARIANTS + STATIC_VARIANTS, ids=str)
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [True, False])
+def test_w8a8_forward_op_computes_the_form(kw, out_dtype, bias):
+    """What eager CUDA inference runs (forward_op: one fused op call) is the function the
+    dequantize-then-matmul form computes, for every scheme: the op's reference implementation
+    runs here, with the operands forward_op hands it (a wrong scale axis, zero point or bias would
+    be off by the output's own size)."""
+    torch.manual_seed(1)
+    lin = nn.Linear(128, 48, bias=bias)
+    x = torch.randn(2, 5, 128)
+    calibration = x if not kw.get("dynamic", True) else None
+    mod = W8A8Linear.from_linear(lin, out_dtype=out_dtype, calibration=calibration, **kw)
+    form = mod(x)  # on CPU forward writes the form
+    op = mod.forward_op(x.reshape(-1, 128)).reshape(form.shape)
+    assert op.dtype == form.dtype == out_dtype
+    # float32 sums of the dequantized form against exact integer (fp8: float64) sums: the outputs
+    # differ by the output dtype's rounding of values within float32 rounding of each other.
+    tol = dict(rtol=1e-5, atol=1e-5) if out_dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(op, form, **tol)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("group_size", [32, -1])
+def test_awq_forward_op_computes_the_form(bias, group_size):
+    torch.manual_seed(2)
+    mod = AWQLinear.from_linear(nn.Linear(128, 64, bias=bias), group_size=group_size, dtype=torch.bfloat16)
+    x = torch.randn(3, 4, 128, dtype=torch.bfloat16)
+    form = mod(x)
+    op = mod.forward_op(x.reshape(-1, 128)).reshape(form.shape)
+    assert op.dtype == form.dtype == torch.bfloat16
+    # the form rounds the product, then adds the bias; the op rounds once
+    torch.testing.assert_close(op.float(), form.float(), rtol=1.6e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.compile
+@pytest.mark.parametrize("scheme", ["int8", "int8-asym", "fp8-rowwise", "awq-g128"])
+def test_eager_cuda_inference_calls_the_op(scheme, monkeypatch):
+    """On CUDA, eager inference runs forward_op (the fused op); a call autograd records, and a
+    traced one, write the form, which the passes fuse when compiling."""
+    from compile_backend.passes import collecting_report
+
+    model = quantize_model(nn.Sequential(nn.Linear(256, 256)).to("cuda", torch.float16), scheme)
+    cls, calls = type(model[0]), []
+    op_forward = cls.forward_op
+    monkeypatch.setattr(cls, "forward_op", lambda self, x2: calls.append(tuple(x2.shape)) or op_forward(self, x2))
+    x = torch.randn(2, 3, 256, device="cuda", dtype=torch.float16)
+    with torch.no_grad():
+        y = model(x)
+    assert calls == [(6, 256)] and y.shape == (2, 3, 256) and y.dtype == torch.float16
+    form = model(x.clone().requires_grad_())
+    assert len(calls) == 1
+    torch.testing.assert_close(y, form.detach(), rtol=2e-2, atol=2e-2)
+    torch._dynamo.reset()
+    with torch.no_grad(), collecting_report() as report:
+        compiled = torch.compile(model, backend="quantfuse", options={"fx_graph_cache": False})(x)
+    assert len(calls) == 1 and len(report.fused) == 1 and not report.unfused, report
+    torch.testing.assert_close(compiled, y, rtol=2e-2, atol=2e-2)
+
+
 def test_quantize_model_swaps_linears_and_skips_lm_head():
     from compile_backend.llama import tiny_llama
 
