@@ -81,18 +81,22 @@ class Parallel(torch.nn.Module):
         return torch.cat([xi.double().abs() @ lin.weight.dequantize().double().abs().t()
                           for lin, xi in zip(self.linears(), self.inputs(x))], dim=-1)
 
+    def quantized_operands(self, x):
+        """Per linear, torchao's own quantization of its input and its weight, in float64:
+        ``(linear, input, quantized input, a [M, K], s_a [M or 1, 1], w [N, K], s_b [1, N or 1])``."""
+        for lin, xi in zip(self.linears(), self.inputs(x)):
+            w = lin.weight
+            q = _choose_quant_func_and_quantize_tensor(xi, w.act_quant_kwargs)
+            a = q.qdata.double().reshape(-1, xi.shape[-1])
+            yield lin, xi, q, a, q.scale.double().reshape(-1, 1), w.qdata.double(), w.scale.double().reshape(1, -1)
+
     def asymmetric_terms(self, x) -> torch.Tensor:
         """``2·(|acc·s_a·s_b| + |z·s_a·colsum·s_b|)`` per linear (float64), from torchao's own
         quantization of each input: what the asymmetric form rounds (both terms and their
         difference, which is at most their sum)."""
         parts = []
-        for lin, xi in zip(self.linears(), self.inputs(x)):
-            w = lin.weight
-            q = _choose_quant_func_and_quantize_tensor(xi, w.act_quant_kwargs)
-            a = q.qdata.double().reshape(-1, xi.shape[-1])
-            sa = q.scale.double().reshape(-1, 1)
+        for _, xi, q, a, sa, wq, sb in self.quantized_operands(x):
             z = q.zero_point.double().reshape(-1, 1)
-            wq, sb = w.qdata.double(), w.scale.double().reshape(1, -1)
             acc_term = (a @ wq.t()).abs() * sa * sb
             z_term = (z * wq.sum(-1).reshape(1, -1)).abs() * sa * sb
             parts.append((2 * (acc_term + z_term)).reshape(*xi.shape[:-1], -1))
@@ -102,12 +106,8 @@ class Parallel(torch.nn.Module):
         """``(a·s_a)(w·s_b)ᵀ + bias`` per linear in float64, from torchao's own quantization of each
         input: the value the fused op rounds once."""
         parts = []
-        for lin, xi in zip(self.linears(), self.inputs(x)):
-            w = lin.weight
-            q = _choose_quant_func_and_quantize_tensor(xi, w.act_quant_kwargs)
-            a = q.qdata.double().reshape(-1, xi.shape[-1])
-            sa = q.scale.double().reshape(-1, 1)
-            v = (a @ w.qdata.double().t()) * sa * w.scale.double().reshape(1, -1)
+        for lin, xi, _, a, sa, wq, sb in self.quantized_operands(x):
+            v = (a @ wq.t()) * sa * sb
             if lin.bias is not None:
                 v = v + lin.bias.double()
             parts.append(v.reshape(*xi.shape[:-1], -1))
