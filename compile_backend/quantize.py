@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .ops import AWQ_ORDER, AWQ_PACK, AWQ_SHIFTS, awq_unpack
+from .ops import AWQ_ORDER, AWQ_PACK, AWQ_SHIFTS, OUT_DTYPES, awq_unpack
+from .weight_cache import azp_operands
 
 INT8_MAX = 127
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
@@ -208,9 +209,6 @@ def _apply_keeping_dtypes(module: nn.Module, fn, recurse: bool, names) -> None:
 
 # --------------------------------------------------------------------------- eager calls of the fused ops
 
-_OP_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
 def calls_op_eagerly(x: torch.Tensor) -> bool:
     """Whether a quantized layer's ``forward`` calls its fused op itself rather than writing the
     dequantize-then-matmul form: in eager inference on CUDA, where that form would dequantize every
@@ -325,7 +323,7 @@ class W8A8Linear(_HoldsTensors):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         out_dtype = getattr(torch, self._out_dtype)  # not the property: see _dtype_attribute
-        if (calls_op_eagerly(x2) and out_dtype in _OP_DTYPES
+        if (calls_op_eagerly(x2) and out_dtype in OUT_DTYPES
                 and (self.bias is None or self.bias.dtype == out_dtype)):
             return self.forward_op(x2).reshape(*lead, self.out_features)
         q, scale, zp = self.quantize_input(x2)
@@ -349,10 +347,8 @@ class W8A8Linear(_HoldsTensors):
         args = (q, self.weight.t(), scale.reshape(-1), self.weight_scale.reshape(-1), out_dtype)
         if zp is None:
             return torch.ops.quantfuse.scaled_mm(*args, self.bias)
-        colsum = torch.ops.quantfuse.weight_colsum(self.weight)
-        if zp.numel() == 1 and not self.per_token:
-            return torch.ops.quantfuse.scaled_mm_azp(*args, colsum * zp.to(torch.int32).reshape(()), None, self.bias)
-        return torch.ops.quantfuse.scaled_mm_azp(*args, colsum, zp.to(torch.int32).reshape(-1), self.bias)
+        azp_adj, azp = azp_operands(self.weight, zp, per_tensor=not self.per_token)
+        return torch.ops.quantfuse.scaled_mm_azp(*args, azp_adj, azp, self.bias)
 
     def _apply(self, fn, recurse=True):
         target = _target(fn, torch.empty(0, dtype=self.out_dtype, device=self.weight.device)).dtype

@@ -76,5 +76,16 @@ ops.add_cuda_bootstrap("weight_colsum", _weight_colsum)
 weight_colsum = torch.ops.quantfuse.weight_colsum
 
 
+def azp_operands(weight: torch.Tensor, zero_point, per_tensor: bool):
+    """``(azp_adj, azp)`` of ``scaled_mm_azp`` for an int8 ``[N, K]`` weight and the activations'
+    zero point: a per-tensor one (tensor or number) folded into the column sums, ``azp`` None;
+    per-token ones as the int32 ``[M]`` vector beside the column sums."""
+    colsum = weight_colsum(weight)
+    if per_tensor:
+        z = zero_point.to(torch.int32).reshape(()) if isinstance(zero_point, torch.Tensor) else int(zero_point)
+        return colsum * z, None
+    return colsum, zero_point.to(torch.int32).reshape(-1)
+
+
 def clear_cache() -> None:
     cache.clear()

@@ -42,7 +42,7 @@ import torch
 from torch._inductor.pattern_matcher import CallFunction, KeywordArg, Match, PatternExpr, PatternMatcherPass
 from torch.fx import Node
 
-import compile_backend.weight_cache  # noqa: F401  (registers quantfuse::weight_colsum)
+from compile_backend.weight_cache import azp_operands
 
 from .fx_helpers import (
     CONVERT,
@@ -116,12 +116,7 @@ def zero_point_kind(z, a) -> str:
 
 def call_scaled_mm_azp(a, w, scale_a, scale_b, azp, z_kind: str, out_dtype, bias=None):
     """``quantfuse::scaled_mm_azp`` for an int8 ``a`` [M, K] and weight ``w`` [N, K] with zero point ``azp``."""
-    colsum = torch.ops.quantfuse.weight_colsum(w)
-    if z_kind == "per-tensor":
-        z = azp.to(torch.int32).reshape(()) if isinstance(azp, torch.Tensor) else int(azp)
-        azp_adj, azp_vec = colsum * z, None
-    else:
-        azp_adj, azp_vec = colsum, azp.to(torch.int32).reshape(-1)
+    azp_adj, azp_vec = azp_operands(w, azp, per_tensor=z_kind == "per-tensor")
     return torch.ops.quantfuse.scaled_mm_azp(
         a, w.t(), as_scale_vector(scale_a, a), as_scale_vector(scale_b, a), out_dtype, azp_adj, azp_vec,
         as_bias_vector(bias))

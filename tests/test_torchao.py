@@ -584,12 +584,13 @@ def test_gpu_fp8_dynamic(granularity, m):
         return
     _code_fuses(code, 3)
     assert report.counts() == {"scaled_mm": 3} and report.unfused == [], report
-    # torch._scaled_mm accumulates with fast accumulation on Hopper (reduced-precision partial
-    # sums: conftest.check_w8a8 allows 2e-3 of max|ref| for fp8); ours keeps float32 sums.
+    # The source, torch._scaled_mm, accumulates with fast accumulation on Hopper (reduced-precision
+    # partial sums: conftest.check_w8a8 allows 2e-3 of max|ref| for fp8).
     fast_accum = 2e-3 * ref.double().abs().max()
-    # From M = 17 Hopper's fp8 tensor cores sum the products (wgmma), keeping about 13 bits
-    # between float32 promotions: |error| <= 2^-12.3 of sum|a*b|*s_a*s_b measured for our kernels,
-    # 2^-13.2 for torch._scaled_mm (docs/DESIGN.md, "Rounding"); 2^-11 bounds both.
+    # Ours: float32 sums in the decode kernel (M <= 16); from M = 17 Hopper's fp8 tensor cores sum
+    # the products (wgmma), keeping about 13 bits between float32 promotions: |error| <= 2^-12.3 of
+    # sum|a*b|*s_a*s_b measured for our kernels, 2^-13.2 for torch._scaled_mm (docs/DESIGN.md, "The
+    # ops: the contract"); 2^-11 bounds both.
     accumulation = fp8_accumulation(model, x) if m <= DECODE_MAX_M else 2.0**-11 * model.abs_products(x)
     check_source_bound(out, ref, model.bias(), torch.float32, accumulation + fast_accum)
     # The op's own contract: the exact products summed as above, one rounding to bfloat16.
