@@ -5,10 +5,11 @@ importing this package; import it for the ops (``torch.ops.quantfuse.*``),
 the reference modules (``compile_backend.quantize``) and ``explain``.
 """
 
-from . import (  # noqa: F401  (ops, weight_cache, autograd: imported for their registrations)
+from . import (  # noqa: F401  (imported for their registrations)
     autograd,  # registers the ops' autograd formulas
     backend,
     ops,  # registers torch.ops.quantfuse.* (CUDA kernels load at the first CUDA call)
+    quantize_per_token,  # registers torch.ops.quantfuse.quantize_per_token
     weight_cache,  # registers torch.ops.quantfuse.weight_colsum
 )
 from .backend import quantfuse

@@ -29,13 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .ops import AWQ_ORDER, AWQ_PACK, AWQ_SHIFTS, OUT_DTYPES, awq_unpack
+from .quantize_per_token import FP8_MAX, INT8_MAX, MIN_SCALE, activation_params, quantize_per_token, quantize_with
 from .weight_cache import azp_operands
-
-INT8_MAX = 127
-FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
-# Smallest scale: keeps an all-zero row from dividing by zero.
-MIN_SCALE = 1e-8
-
 
 # --------------------------------------------------------------------------- packers
 
@@ -294,15 +289,7 @@ class W8A8Linear(_HoldsTensors):
 
     def _activation_params(self, x: torch.Tensor):
         """(scale, zero point or None) for float32 activations [M, K]."""
-        reduce = dict(dim=-1, keepdim=True) if self.per_token else {}
-        if self.symmetric:
-            qmax = INT8_MAX if self.weight.dtype == torch.int8 else FP8_MAX
-            return (x.abs().amax(**reduce) / qmax).clamp(min=MIN_SCALE), None
-        xmin = x.amin(**reduce).clamp(max=0)
-        xmax = x.amax(**reduce).clamp(min=0)
-        scale = ((xmax - xmin) / 255).clamp(min=MIN_SCALE)
-        zero_point = torch.round(-128 - xmin / scale).clamp(-128, 127)
-        return scale, zero_point
+        return activation_params(x, self.weight.dtype, self.symmetric, self.per_token)
 
     def quantize_input(self, x: torch.Tensor):
         """float activations [M, K] -> (quantized [M, K], float32 scale, zero point or None)."""
@@ -312,12 +299,7 @@ class W8A8Linear(_HoldsTensors):
         else:
             scale = self.input_scale
             zp = None if self.symmetric else self.input_zero_point.to(torch.float32)
-        if self.weight.dtype == torch.float8_e4m3fn:
-            return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale, None
-        q = torch.round(xf / scale)
-        if zp is not None:
-            q = q + zp
-        return q.clamp(-INT8_MAX - 1, INT8_MAX).to(torch.int8), scale, zp
+        return quantize_with(xf, scale, zp, self.weight.dtype), scale, zp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -341,8 +323,13 @@ class W8A8Linear(_HoldsTensors):
         """``forward`` of ``[M, K]`` activations through ``quantfuse::scaled_mm`` (or ``scaled_mm_azp``
         with zero points), as the passes fuse the form: the quantized activation, the weight's
         transpose, float32 scale vectors, the bias in ``out_dtype``; per-token zero points with the
-        weight's column sums, a per-tensor one folded into them."""
-        q, scale, zp = self.quantize_input(x2)
+        weight's column sums, a per-tensor one folded into them.  Dynamic per-token activations
+        are quantized by ``quantfuse::quantize_per_token`` (one kernel, the same values)."""
+        if self.dynamic and self.per_token:
+            q, scale, zp = quantize_per_token(x2, self.weight.dtype, self.symmetric)
+            zp = None if self.symmetric else zp
+        else:
+            q, scale, zp = self.quantize_input(x2)
         out_dtype = getattr(torch, self._out_dtype)
         args = (q, self.weight.t(), scale.reshape(-1), self.weight_scale.reshape(-1), out_dtype)
         if zp is None:
@@ -480,7 +467,11 @@ class AWQLinear(_HoldsTensors):
         out_dtype = getattr(torch, self._out_dtype)  # not the property: see _dtype_attribute
         if out_dtype != compute:  # converted to a dtype the format cannot hold (see the class doc)
             x = x.to(compute)
-        if calls_op_eagerly(x) and (self.bias is None or self.bias.dtype == compute):
+        # is_compiling() here as well: Dynamo folds it, so x is never an argument of an inlined
+        # call while tracing, which some torch versions (2.11) take as x's first use, lifting
+        # it as a graph input ahead of the layer's tensors.
+        if not torch.compiler.is_compiling() and calls_op_eagerly(x) and (
+                self.bias is None or self.bias.dtype == compute):
             y = self.forward_op(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
             return y if out_dtype == compute else y.to(out_dtype)
         y = torch.matmul(x, self.dequantized_weight())
