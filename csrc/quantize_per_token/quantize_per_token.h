@@ -9,16 +9,16 @@
 // q = clamp(round(x / scale) + zero point, -128, 127).  Maxima, minima and clamps propagate NaN.
 #pragma once
 
+#include "common/launch_status.h"
+
 #include <cstdint>
 
 namespace quantfuse::quantize_per_token {
 
-enum class Dt : int { kF16 = 0, kBF16 = 1, kF32 = 2 };
-
-// Status of the launcher.
-constexpr int kOk = 0;
-constexpr int kUnsupported = 1;
-constexpr int kLaunchFailed = 2;
+using ::quantfuse::Dt;
+using ::quantfuse::kLaunchFailed;
+using ::quantfuse::kOk;
+using ::quantfuse::kUnsupported;
 
 struct Params {
   const void* x = nullptr;    // [M, K] in `dtype`, unit column stride, row pitch ldx elements (0: one row for all)

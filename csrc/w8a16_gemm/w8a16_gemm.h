@@ -7,17 +7,17 @@
 // float32 (multiply, then add; no contraction), one rounding to x's dtype.
 #pragma once
 
+#include "common/launch_status.h"
+
 #include <algorithm>
 #include <cstdint>
 
 namespace quantfuse::w8a16 {
 
-enum class Dt : int { kF16 = 0, kBF16 = 1, kF32 = 2 };
-
-// Status of a launcher.
-constexpr int kOk = 0;
-constexpr int kUnsupported = 1;
-constexpr int kLaunchFailed = 2;
+using ::quantfuse::Dt;
+using ::quantfuse::kLaunchFailed;
+using ::quantfuse::kOk;
+using ::quantfuse::kUnsupported;
 
 struct Params {
   const void* x = nullptr;     // [M, K] in `dtype`, row pitch ldx elements
