@@ -9,16 +9,11 @@
 // q = clamp(round(x / scale) + zero point, -128, 127).  Maxima, minima and clamps propagate NaN.
 #pragma once
 
-#include "common/launch_status.h"
+#include "common/launch_status.h"  // Dt, kOk, kUnsupported, kLaunchFailed
 
 #include <cstdint>
 
 namespace quantfuse::quantize_per_token {
-
-using ::quantfuse::Dt;
-using ::quantfuse::kLaunchFailed;
-using ::quantfuse::kOk;
-using ::quantfuse::kUnsupported;
 
 struct Params {
   const void* x = nullptr;    // [M, K] in `dtype`, unit column stride, row pitch ldx elements (0: one row for all)

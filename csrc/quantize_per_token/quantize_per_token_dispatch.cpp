@@ -35,9 +35,9 @@ std::string quantize_reason(const at::Tensor& x, at::ScalarType qdtype, bool sym
   return "";
 }
 
-quantize_per_token::Dt dtype_of(at::ScalarType t) {
-  return t == at::kHalf ? quantize_per_token::Dt::kF16
-                        : (t == at::kBFloat16 ? quantize_per_token::Dt::kBF16 : quantize_per_token::Dt::kF32);
+Dt dtype_of(at::ScalarType t) {
+  return t == at::kHalf ? Dt::kF16
+                        : (t == at::kBFloat16 ? Dt::kBF16 : Dt::kF32);
 }
 
 Result quantize_per_token_cuda(const at::Tensor& x_in, at::ScalarType qdtype, bool symmetric) {
@@ -64,8 +64,8 @@ Result quantize_per_token_cuda(const at::Tensor& x_in, at::ScalarType qdtype, bo
   p.stream = at::cuda::getCurrentCUDAStream(x.device().index()).stream();
   int err = 0;
   const int status = quantize_per_token::launch(p, &err);
-  QF_CHECK(status != quantize_per_token::kUnsupported, "quantfuse quantize_per_token: unsupported operands");
-  QF_CHECK(status == quantize_per_token::kOk, "quantfuse quantize_per_token: launch failed: %s",
+  QF_CHECK(status != kUnsupported, "quantfuse quantize_per_token: unsupported operands");
+  QF_CHECK(status == kOk, "quantfuse quantize_per_token: launch failed: %s",
            cudaGetErrorString(static_cast<cudaError_t>(err)));
   return {q, scale, zero_point};
 }
