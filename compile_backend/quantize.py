@@ -29,7 +29,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from .ops import AWQ_ORDER, AWQ_PACK, AWQ_SHIFTS, OUT_DTYPES, awq_unpack
-from .quantize_per_token import FP8_MAX, INT8_MAX, MIN_SCALE, activation_params, quantize_per_token, quantize_with
+from .quantize_per_token import (
+    FP8_MAX,
+    INT8_MAX,
+    MIN_SCALE,
+    X_DTYPES,
+    activation_params,
+    quantize_per_token,
+    quantize_with,
+)
 from .weight_cache import azp_operands
 
 # --------------------------------------------------------------------------- packers
@@ -324,8 +332,9 @@ class W8A8Linear(_HoldsTensors):
         with zero points), as the passes fuse the form: the quantized activation, the weight's
         transpose, float32 scale vectors, the bias in ``out_dtype``; per-token zero points with the
         weight's column sums, a per-tensor one folded into them.  Dynamic per-token activations
-        are quantized by ``quantfuse::quantize_per_token`` (one kernel, the same values)."""
-        if self.dynamic and self.per_token:
+        are quantized by ``quantfuse::quantize_per_token`` (one kernel, the same values); activations
+        in a dtype it does not take (float64) by the form."""
+        if self.dynamic and self.per_token and x2.dtype in X_DTYPES:
             q, scale, zp = quantize_per_token(x2, self.weight.dtype, self.symmetric)
             zp = None if self.symmetric else zp
         else:

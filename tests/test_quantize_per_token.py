@@ -104,6 +104,10 @@ def test_layer_forward_op_quantizes_through_the_op(monkeypatch):
         layer = W8A8Linear.from_linear(nn.Linear(32, 8), **kw)
         torch.testing.assert_close(layer.forward_op(x), layer(x), rtol=1.6e-2, atol=1e-2)
         assert seen == calls, (kw, seen)
+    seen.clear()  # float64 activations, a dtype the op does not take: the form
+    layer = W8A8Linear.from_linear(nn.Linear(32, 8), out_dtype=torch.float32)
+    torch.testing.assert_close(layer.forward_op(x.double()), layer(x.double()), rtol=1e-5, atol=1e-5)
+    assert seen == []
 
 
 # --------------------------------------------------------------------------- GPU
