@@ -1,6 +1,6 @@
 """Per-token activation quantization: quantfuse.quantize_per_token against the form it replaces in
-eager CUDA inference (W8A8Linear.quantize_input's torch ops: nine element-wise kernels over float32
-temporaries), in one run.
+eager CUDA inference (W8A8Linear.quantize_input's torch ops: 8 to 17 element-wise kernels and
+reductions over float32 temporaries), in one run.
 
 For each (M, K) in ``SHAPES``, mode (int8 symmetric, int8 asymmetric, fp8) and the activation
 dtype (``--dtype``, float16 by default): the median µs per call (benchmarks/timing.py ``rotating``:

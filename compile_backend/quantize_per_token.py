@@ -17,12 +17,12 @@ per-token activations:
 ``W8A8Linear.quantize_input`` writes this rule in torch ops (``activation_params`` and
 ``quantize_with`` below): that form is what a compiled graph holds, and Inductor fuses it into
 the kernels around the matmul.  In eager CUDA inference the layer calls the op instead
-(``quantize.calls_op_eagerly``): the form there is nine element-wise kernels over ``[M, K]``
-float32 temporaries, the op one kernel that reads ``x`` twice (the second time from L2) and
-writes ``q``.  Its CUDA implementation (csrc/quantize_per_token/) gives bit for bit what the
-form gives on CUDA, where torch computes ``t / c`` for a Python number ``c`` as
-``t * (1 / c)``: the scale is ``amax * (1 / qmax)``.  On CPU the form divides, and the op's
-reference is the form itself.
+(``quantize.calls_op_eagerly``): the form there is a chain of 8 (fp8) to 17 (asymmetric int8)
+element-wise kernels and reductions over ``[M, K]`` float32 temporaries, the op one kernel that
+reads ``x`` twice (the second time from L2) and writes ``q``.  Its CUDA implementation
+(csrc/quantize_per_token/) gives bit for bit what the form gives on CUDA, where torch computes
+``t / c`` for a Python number ``c`` as ``t * (1 / c)``: the scale is ``amax * (1 / qmax)``.  The
+op's reference is the form itself.
 """
 
 from __future__ import annotations
