@@ -184,3 +184,17 @@ def test_empty_m_and_cuda_graph_replay():
     graph.replay()
     assert_same(out, reference(fresh, torch.float8_e4m3fn, True), "replay")
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [
+    ("x", lambda: (torch.randn(2, 8, device=DEV, dtype=torch.float64), torch.int8, True)),
+    ("qdtype", lambda: (torch.randn(2, 8, device=DEV), torch.float16, True)),
+    ("symmetric", lambda: (torch.randn(2, 8, device=DEV), torch.float8_e4m3fn, False)),
+], ids=["float64", "qdtype", "asym-fp8"])
+def test_cuda_dispatch_sends_malformed_input_to_the_reference(case):
+    """On CUDA the C++ dispatch hands what its kernel does not take to the reference, which raises
+    naming the argument."""
+    arg, make = case
+    with pytest.raises(QuantfuseInputError, match=f"argument '{arg}'"):
+        torch.ops.quantfuse.quantize_per_token(*make())
