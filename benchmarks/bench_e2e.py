@@ -818,9 +818,21 @@ def main(argv=None):
 # --------------------------------------------------------------------------- reports
 
 
+def _own_baseline(configs: dict, key: str, sub: str | None, run: str, file_run: str):
+    """The baseline's figure for a measurement of run ``run``, from the same run only (a file that
+    is itself a merge says which run made each measurement): tok/s of the same path and batch, or
+    the TTFT of the same path."""
+    base = configs.get(BASELINE) or {}
+    meas = (base.get("prefill") or {}) if key == "prefill" else ((base.get(key) or {}).get(sub) or {})
+    if meas.get("run", file_run) != run:
+        return None
+    return meas.get("ttft_ms") if key == "prefill" or sub == "ttft" else meas.get("tok_per_s")
+
+
 def merge(paths) -> dict:
     """Configs from several runs in one report.  A measurement (a path and batch, the prefill) present
-    in several files keeps the later file's, unless that one was skipped; each says which run made it."""
+    in several files keeps the later file's, unless that one was skipped; each says which run made it
+    and keeps the baseline of that run (``own_baseline``), so that its ratio is never across runs."""
     merged = {"meta": None, "configs": {}}
     for p in paths:
         with open(p) as f:
@@ -836,10 +848,14 @@ def merge(paths) -> dict:
                 if key in ("loop", "generate") and isinstance(value, dict):
                     for sub, meas in value.items():
                         if "skipped" not in meas or sub not in into.setdefault(key, {}):
-                            into.setdefault(key, {})[sub] = {"run": run, **meas}
+                            made = meas.get("run", run)
+                            own = meas.get("own_baseline", _own_baseline(data["configs"], key, sub, made, run))
+                            into.setdefault(key, {})[sub] = {"run": run, **meas, "own_baseline": own}
                 elif key == "prefill" and isinstance(value, dict):
                     if "skipped" not in value or key not in into:
-                        into[key] = {"run": run, **value}
+                        made = value.get("run", run)
+                        own = value.get("own_baseline", _own_baseline(data["configs"], key, None, made, run))
+                        into[key] = {"run": run, **value, "own_baseline": own}
                 elif key != "skipped" or not into:
                     into[key] = value
             if "skipped" in into and any(k in into for k in ("loop", "generate", "prefill")):
@@ -877,12 +893,18 @@ def _fmt(v, spec=".2f", none="-"):
         return str(v)
 
 
-def _baseline(results, path, batch):
+def _baseline(results, path, batch, r=None):
+    """The baseline's tok/s for measurement ``r`` (its own run's, in a merged report)."""
+    if r is not None and "own_baseline" in r:
+        return r["own_baseline"]
     b = results["configs"].get(BASELINE, {}).get(path, {}).get(f"b{batch}", {})
     return b.get("tok_per_s")
 
 
-def _baseline_ttft(results, path):
+def _baseline_ttft(results, path, r=None):
+    """The baseline's TTFT for measurement ``r`` (its own run's, in a merged report)."""
+    if r is not None and "own_baseline" in r:
+        return r["own_baseline"]
     c = results["configs"].get(BASELINE, {})
     return (c.get("prefill") or {}).get("ttft_ms") if path == "loop" else \
         ((c.get("generate") or {}).get("ttft") or {}).get("ttft_ms")
@@ -901,7 +923,7 @@ def render_md(results) -> str:
     a = m["args"]
     head.append(f"\nDecode: context {a['context']} tokens, {a['steps']} timed steps, greedy; compile mode "
                 f"`{a['mode']}`. tok/s = batch x steps/s. GPU = profiler device time per step; host = wall - "
-                f"GPU. x fp16 = tok/s over `{BASELINE}` (same path and batch). Errors: relative L2 of the "
+                f"GPU. x fp16 = tok/s over `{BASELINE}`'s of the same run, path and batch. Errors: relative L2 of the "
                 "logits against the same model in eager.\n")
     out = head + ["| config | path | batch | tok/s | x fp16 | wall ms/step | GPU ms/step | host ms/step | "
                   "compile s | peak GB | fused | logits err | run |",
@@ -912,7 +934,7 @@ def render_md(results) -> str:
             note = r.get("skipped") or r.get("error", "")
             out.append(f"| {name} | {path} | {batch} | {_md_cell(note, 80)} | | | | | | | | | {run} |")
             continue
-        base = _baseline(results, path, batch)
+        base = _baseline(results, path, batch, r)
         tps = r.get("tok_per_s")
         fused = r.get("fusion", {})
         fused_s = f"{fused.get('fused', '-')}" + (f" ({fused['unfused']} not)" if fused.get("unfused") else "")
@@ -923,8 +945,8 @@ def render_md(results) -> str:
                    f"{_fmt(r.get('logits_rel_err'), '.2e')} | {run} |")
     out += ["", f"Prefill: time to first token, 1 x {a['prompt_len']} prompt. Loop: compiled prefill into a "
                 f"static cache (mode `{a['prefill_mode']}`), first token included; generate: "
-                "`generate(max_new_tokens=1)`, whose prefill transformers runs eager. x fp16 = fp16's TTFT / "
-                "this TTFT. Compile ratio: quantfuse's compile time over plain Inductor's on the same quantized "
+                "`generate(max_new_tokens=1)`, whose prefill transformers runs eager. x fp16 = fp16's TTFT (same "
+                "run) / this TTFT. Compile ratio: quantfuse's compile time over plain Inductor's on the same quantized "
                 "model (loop, first batch). Error ratio: this config's decode error over the @inductor one's.\n",
             "| config | loop TTFT ms | x fp16 | prefill compile s | prefill err | generate TTFT ms | x fp16 | "
             "compile ratio | decode err / @inductor | weights GB | notes |",
@@ -932,7 +954,7 @@ def render_md(results) -> str:
     for name, c in results["configs"].items():
         p = c.get("prefill") or {}
         g = (c.get("generate") or {}).get("ttft") or {}
-        bl, bg = _baseline_ttft(results, "loop"), _baseline_ttft(results, "generate")
+        bl, bg = _baseline_ttft(results, "loop", p), _baseline_ttft(results, "generate", g)
         gen_x = bg / g["ttft_ms"] if bg and g.get("ttft_ms") else None
         ratio, err_ratio = _vs_inductor(results, name, c)
         notes = [c.get("skipped"), c.get("error"), p.get("error"), p.get("skipped"), g.get("error")]
@@ -975,7 +997,7 @@ def short_table(results) -> str:
     lines = [f"{'config':<22} {'path':<9} {'B':>2} {'tok/s':>9} {'x fp16':>7} {'GPU ms':>7} {'host ms':>8} "
              f"{'err':>9}"]
     for name, path, batch, r in _decode_rows(results):
-        base = _baseline(results, path, batch)
+        base = _baseline(results, path, batch, r)
         tps = r.get("tok_per_s")
         if tps is None:
             lines.append(f"{name:<22} {path:<9} {batch:>2} {(r.get('skipped') or r.get('error') or '')[:60]}")
@@ -1011,14 +1033,16 @@ def plot(results, path):
     width = 0.8 / len(paths)
     for ax, B in zip(axes[0], batches):
         for j, p in enumerate(paths):
-            vals = [next((r["tok_per_s"] for n, pp, b, r in rows if n == name and pp == p and int(b) == B), 0)
+            recs = [next((r for n, pp, b, r in rows if n == name and pp == p and int(b) == B), None)
                     for name in names]
+            vals = [r["tok_per_s"] if r else 0 for r in recs]
             xs = [i + (j - (len(paths) - 1) / 2) * width for i in range(len(names))]
             bars = ax.bar(xs, vals, width, label=p)
             base = _baseline(results, p, B)
-            for bar, v in zip(bars, vals):
-                if v and base:
-                    ax.annotate(f"{v / base:.2f}x", (bar.get_x() + bar.get_width() / 2, v), ha="center",
+            for bar, v, r in zip(bars, vals, recs):
+                own = _baseline(results, p, B, r) if r else None
+                if v and own:
+                    ax.annotate(f"{v / own:.2f}x", (bar.get_x() + bar.get_width() / 2, v), ha="center",
                                 va="bottom", fontsize=7)
             if base:
                 ax.axhline(base, linestyle="--", linewidth=0.8, color=bars.patches[0].get_facecolor(),
