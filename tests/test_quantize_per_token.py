@@ -64,6 +64,15 @@ def test_zero_row_gets_the_smallest_scale():
         assert torch.equal(scale, torch.full((2, 1), 1e-8)) and (q.float() == code).all() and (zp == code).all(), mode
 
 
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("mode", MODES)
+def test_opcheck(mode, dtype):
+    """Schema, fake implementation, autograd registration and AOT dispatch (dynamic shapes) agree."""
+    qdtype, symmetric = MODES[mode]
+    torch.library.opcheck(torch.ops.quantfuse.quantize_per_token.default,
+                          ((torch.randn(5, 32) * 3).to(dtype), qdtype, symmetric))
+
+
 def test_fake_gives_shapes_and_dtypes():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
