@@ -420,8 +420,9 @@ REFERENCE_SCHEMAS = {
 }
 
 
-def _logged_reference(name):
-    reference = REFERENCES[name]
+def logged_reference(name, reference):
+    """``reference`` as the implementation of ``quantfuse::_<name>_reference``: it takes the op's
+    arguments and the reason the C++ dispatch gives, logs the reason and runs the reference."""
 
     def impl(*args):
         *args, reason = args
@@ -490,7 +491,7 @@ for _name, _schema in SCHEMAS.items():
     _lib.impl(_name, REFERENCES[_name], "CompositeExplicitAutograd")
     torch.library.register_fake(f"{NAMESPACE}::{_name}", FAKES[_name], lib=_lib)
     _lib.define(REFERENCE_SCHEMAS[_name])
-    _lib.impl(f"_{_name}_reference", _logged_reference(_name), "CompositeExplicitAutograd")
+    _lib.impl(f"_{_name}_reference", logged_reference(_name, REFERENCES[_name]), "CompositeExplicitAutograd")
 
 # concat_weights returns values derived from weights, made once per set of parts (the CUDA
 # implementation caches them in C++, csrc/common/concat_weights.cpp).  The cached tensor itself

@@ -218,8 +218,11 @@ def calls_op_eagerly(x: torch.Tensor) -> bool:
     weight on every call (transformers' ``generate`` runs its prefill eagerly, so a prompt would pay
     it in every layer).  Never while a graph is traced (Dynamo, or any dispatch mode such as
     ``make_fx``'s): the passes match the form and fuse it there.  Never where autograd records the
-    call (the form's own derivatives stay).  The op's result is what the compiled model computes."""
-    # is_compiling() first: Dynamo folds it to True and reads nothing after it.
+    call (the form's own derivatives stay).  The op's result is what the compiled model computes.
+
+    Callers write ``not torch.compiler.is_compiling() and calls_op_eagerly(x)``: Dynamo folds
+    ``is_compiling()``, so x is never an argument of an inlined call while tracing, which some torch
+    versions (2.11) take as x's first use, lifting it as a graph input ahead of the layer's tensors."""
     return (not torch.compiler.is_compiling() and x.is_cuda and type(x) is torch.Tensor
             and not (torch.is_grad_enabled() and x.requires_grad)
             and torch._C._len_torch_dispatch_stack() == 0)
@@ -313,7 +316,7 @@ class W8A8Linear(_HoldsTensors):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         out_dtype = getattr(torch, self._out_dtype)  # not the property: see _dtype_attribute
-        if (calls_op_eagerly(x2) and out_dtype in OUT_DTYPES
+        if (not torch.compiler.is_compiling() and calls_op_eagerly(x2) and out_dtype in OUT_DTYPES
                 and (self.bias is None or self.bias.dtype == out_dtype)):
             return self.forward_op(x2).reshape(*lead, self.out_features)
         q, scale, zp = self.quantize_input(x2)
@@ -476,9 +479,6 @@ class AWQLinear(_HoldsTensors):
         out_dtype = getattr(torch, self._out_dtype)  # not the property: see _dtype_attribute
         if out_dtype != compute:  # converted to a dtype the format cannot hold (see the class doc)
             x = x.to(compute)
-        # is_compiling() here as well: Dynamo folds it, so x is never an argument of an inlined
-        # call while tracing, which some torch versions (2.11) take as x's first use, lifting
-        # it as a graph input ahead of the layer's tensors.
         if not torch.compiler.is_compiling() and calls_op_eagerly(x) and (
                 self.bias is None or self.bias.dtype == compute):
             y = self.forward_op(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)

@@ -27,13 +27,9 @@ op's reference is the form itself.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from . import ops
-
-log = logging.getLogger("quantfuse.quantize_per_token")
 
 INT8_MAX = 127
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
@@ -91,11 +87,6 @@ def _fake(x, qdtype, symmetric=True):
             x.new_empty((M, 1), dtype=torch.float32))
 
 
-def _reference_with_reason(x, qdtype, symmetric, reason):
-    log.debug("quantfuse.quantize_per_token: reference runs: %s", reason)
-    return reference(x, qdtype, symmetric)
-
-
 _lib = torch.library.Library(ops.NAMESPACE, "FRAGMENT")
 _lib.define("quantize_per_token(Tensor x, ScalarType qdtype, bool symmetric=True) -> (Tensor, Tensor, Tensor)")
 _lib.impl("quantize_per_token", reference, "CompositeExplicitAutograd")
@@ -104,7 +95,8 @@ torch.library.register_fake("quantfuse::quantize_per_token", _fake, lib=_lib)
 # for inputs its kernel does not take, this reference runs and logs why.
 _lib.define("_quantize_per_token_reference(Tensor x, ScalarType qdtype, bool symmetric, str reason) "
             "-> (Tensor, Tensor, Tensor)")
-_lib.impl("_quantize_per_token_reference", _reference_with_reason, "CompositeExplicitAutograd")
+_lib.impl("_quantize_per_token_reference", ops.logged_reference("quantize_per_token", reference),
+          "CompositeExplicitAutograd")
 ops.add_cuda_bootstrap("quantize_per_token", reference)
 
 quantize_per_token = torch.ops.quantfuse.quantize_per_token

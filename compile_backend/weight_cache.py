@@ -20,14 +20,10 @@ puts it in the graph next to the weight:
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from . import ops
 from .tensor_cache import TensorCache
-
-log = logging.getLogger("quantfuse.weight_cache")
 
 _lib = torch.library.Library("quantfuse", "FRAGMENT")
 _lib.define("weight_colsum(Tensor weight) -> Tensor")
@@ -60,17 +56,13 @@ def _weight_colsum_fake(b: torch.Tensor) -> torch.Tensor:
     return b.new_empty((b.shape[0],), dtype=torch.int32)
 
 
-def _weight_colsum_reference(b: torch.Tensor, reason: str) -> torch.Tensor:
-    log.debug("quantfuse.weight_colsum: reference runs: %s", reason)
-    return _weight_colsum(b)
-
-
 _lib.impl("weight_colsum", _weight_colsum, "CompositeExplicitAutograd")
 torch.library.register_fake("quantfuse::weight_colsum", _weight_colsum_fake, lib=_lib)
 # On CUDA the kernels' library computes the sums (csrc/scaled_mm_azp/scaled_mm_azp_dispatch.cpp,
 # outside any CUDA-graph pool); this reference, for inputs it refuses, says why.
 _lib.define("_weight_colsum_reference(Tensor weight, str reason) -> Tensor")
-_lib.impl("_weight_colsum_reference", _weight_colsum_reference, "CompositeExplicitAutograd")
+_lib.impl("_weight_colsum_reference", ops.logged_reference("weight_colsum", _weight_colsum),
+          "CompositeExplicitAutograd")
 ops.add_cuda_bootstrap("weight_colsum", _weight_colsum)
 
 weight_colsum = torch.ops.quantfuse.weight_colsum
