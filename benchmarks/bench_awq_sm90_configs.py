@@ -33,7 +33,8 @@ from timing import copies_for, load_kernels, rotating  # noqa: E402
 
 # rows x tokens of each configuration's tile (csrc/awq_gemm/awq_gemm_sm90_choice.h: kCosts)
 TILES = {0: (64, 128), 1: (64, 128), 2: (64, 256), 3: (128, 256), 4: (128, 128), 5: (64, 160), 6: (64, 192),
-         7: (64, 224), 8: (128, 160), 9: (128, 192), 10: (128, 224), 11: (128, 256), 12: (128, 192)}
+         7: (64, 224), 8: (128, 160), 9: (128, 192), 10: (128, 224), 11: (128, 256), 12: (128, 192),
+         13: (64, 64)}
 SMS = 132
 
 

@@ -26,7 +26,7 @@ DECODE_MAX_M = 16  # W8A8 decode kernel up to this M: scaled_mm/scaled_mm_decode
 FP8_CUBLASLT_MIN_M = 256  # fp8 per-token x per-channel via cuBLASLt from this M: scaled_mm_dispatch.cpp
 AWQ_DECODE_MAX_M = 32  # AWQ streaming kernel up to this M: awq_gemm/awq_gemm_dispatch.cpp, kDecodeMaxM
 AWQ_KERNEL_MAX_M = 64  # ... and up to this M where the SM90 kernel declines (kKernelMaxM)
-AWQ_SM90_NUM_CONFIGS = 13  # SM90 AWQ tile configurations 0..12: awq_gemm/awq_gemm_sm90_choice.h, kNumConfigs
+AWQ_SM90_NUM_CONFIGS = 14  # SM90 AWQ tile configurations 0..13: awq_gemm/awq_gemm_sm90_choice.h, kNumConfigs
 
 
 # --------------------------------------------------------------------------- markers, loading

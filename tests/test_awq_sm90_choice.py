@@ -52,19 +52,25 @@ def test_token_tiles_sized_to_m(choose):
     assert [p for *_, p in got] == [320, 384, 448, 640, 768]
 
 
-def test_small_m_keeps_128_token_tiles(choose):
-    """At most 128 tokens: one 128-token tile covers M; a wider tile would only add padding.
-    Long K with few tiles takes stream-K (config 4)."""
-    got = choose([(m, n, 4096, 128) for m in (1, 33, 64, 128) for n in (4096, 6144, 28672)])
+def test_small_m_token_tiles(choose):
+    """At most 64 tokens: one 64-token tile covers M (config 13), unpadded from 36 tokens; up
+    to 128 tokens one 128-token tile (a wider tile would only add padding, a narrower one read
+    each weight tile twice).  Long K with few tiles takes stream-K (config 4)."""
+    got = choose([(m, n, 4096, 128) for m in (33, 36, 48, 64) for n in (4096, 6144, 28672)])
+    assert all((c, tokens) == (13, 64) for c, _, tokens, _ in got)
+    assert [p for *_, p in got] == [64] * 3 + [36] * 3 + [48] * 3 + [64] * 3
+    got = choose([(m, n, 4096, 128) for m in (65, 100, 128) for n in (4096, 6144, 28672)])
     assert all(tokens == 128 for _, _, tokens, _ in got)
+    # 4096 x 14336: 32 weight tiles with a long K loop; stream-K spreads it over the SMs
+    assert [c for c, *_ in choose([(m, 4096, 14336, 128) for m in (33, 48, 64, 100)])] == [4] * 4
     assert [c for c, *_ in choose([(128, 4096, 4096, 128), (128, 4096, 14336, 128)])] == [1, 4]
 
 
 def test_group_size_limits_128_deep_tiles(choose):
-    """Configs 1 and 5-7 load 128-deep K tiles: only for group sizes that are multiples of
+    """Configs 1, 5-7 and 13 load 128-deep K tiles: only for group sizes that are multiples of
     128 (or per-channel) and K % 128 == 0."""
-    k128 = {1, 5, 6, 7}
-    queries = [(m, n, k, g) for m in (64, 200, 320, 384, 700, 1152, 3000) for n, k in ((4096, 4096), (6144, 4096))
+    k128 = {1, 5, 6, 7, 13}
+    queries = [(m, n, k, g) for m in (48, 64, 200, 320, 384, 700, 1152, 3000) for n, k in ((4096, 4096), (6144, 4096))
                for g in (64, 128, k)] + [(m, 4096, 4160, 64) for m in (200, 320, 1000)]
     for (m, n, k, g), (c, *_) in zip(queries, choose(queries)):
         allowed = k % 128 == 0 and (g == k or g % 128 == 0)

@@ -108,7 +108,7 @@ def test_each_config(config, dtype):
     """Every tile configuration at small and large M (partial tiles included), with an
     odd number of 128-row weight tiles (N = 384: the 2x1 cluster's second CTA is idle;
     configs 4, 11 and 12: stream-K splits the K loop of some tiles over several CTAs;
-    configs 5-10: token tiles of 160-224)."""
+    configs 5-10: token tiles of 160-224; config 13: 64-token tiles, several per call)."""
     for M in (65, 300, 1500):
         run_case(M, 1024, 2048, 128, dtype, seed=M + config, bias=True, config=config)
         run_case(M, 384, 1024, -1, dtype, seed=M + config + 7, config=config)
@@ -125,7 +125,8 @@ def test_token_padding_rule():
     assert [rows(m, 4) for m in (1, 70, 71, 300, 330)] == [128, 128, 71, 384, 330]
     assert [rows(m, 5) for m in (1, 88, 89, 161, 300, 320)] == [160, 160, 89, 320, 300, 320]
     assert [rows(m, 10) for m in (123, 124, 225, 448)] == [224, 124, 448, 448]
-    with pytest.raises(RuntimeError, match="config in 0..12"):
+    assert [rows(m, 13) for m in (1, 33, 35, 36, 48, 64)] == [64, 64, 64, 36, 48, 64]
+    with pytest.raises(RuntimeError, match="config in 0..13"):
         rows(1, AWQ_SM90_NUM_CONFIGS)
     assert rows(0, 0) == 0
 
@@ -144,8 +145,12 @@ def test_config_choice():
     assert choose(320, 4096, 4096, 64, 132) not in (1, 5, 6, 7)  # group 64: no 128-deep K tiles
     assert choose(128, 4096, 14336, 128, 132) == 4
     assert choose(128, 4096, 4096, 128, 132) == 1
-    # at most 128 tokens: 128-token tiles only (a wider tile would be padding)
-    assert all(tokens(1, choose(m, n, 4096, 128, 132)) == 128 for m in (33, 64, 128) for n in (4096, 6144, 28672))
+    # at most 64 tokens: 64-token tiles (a 128-token one would be half padding); up to 128:
+    # 128-token tiles (a wider tile would be padding, a narrower one read the weight twice)
+    assert all(choose(m, n, 4096, 128, 132) == 13 for m in (33, 48, 64) for n in (4096, 6144, 28672))
+    assert all(tokens(1, choose(m, n, 4096, 128, 132)) == 128 for m in (65, 100, 128) for n in (4096, 6144, 28672))
+    assert choose(64, 4096, 4096, 64, 132) not in (1, 5, 6, 7, 13)  # group 64: no 128-deep K tiles
+    assert all(choose(m, 4096, 14336, 128, 132) == 4 for m in (33, 64))  # long K, few tiles: stream-K
     # 4096 x 14336 at M = 1152: stream-K over 128 x 192 tiles rather than 128 x 256 data-parallel
     # ones (160 tiles, 1.2 waves); configs 0-10 alone chose 64 x 192 (2.9 waves)
     assert choose(1152, 4096, 14336, 128, 132) == 12
@@ -162,6 +167,28 @@ def test_padded_calls(dtype):
     for i, M in enumerate((1, 33, 129, 300)):
         run_case(M, 640, 1024, 128, dtype, seed=70 + i, bias=(i % 2 == 0))
         run_case(M, 256, 512, -1, dtype, seed=80 + i, config=i % 5)
+
+
+@needs_sm90
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_padded_rows_do_not_reach_the_output(dtype):
+    """A padded call copies x into a buffer of whole token tiles and leaves the rows past M as
+    the allocator hands them out.  Here the block it gets held NaN: none may reach the M rows
+    returned (each output row reads its own row of x only)."""
+    gen = torch.Generator(device=DEV).manual_seed(91)
+    N, K = 384, 1024
+    qw, s, qz, G, q, z = make_awq(K, N, 128, dtype, gen)
+    wq, sp, zp = torch.ops.quantfuse._awq_prepare_sm90_cuda(qw, s, qz, G)
+    for M, config in ((33, 13), (33, 1), (60, 0), (129, 3)):
+        rows = torch.ops.quantfuse._awq_sm90_rows(M, config)
+        assert rows > M
+        x = make_x(M, K, dtype, gen)
+        # the caching allocator hands a freed block of the same size out first
+        junk = torch.full((rows, K), float("nan"), dtype=dtype, device=DEV)
+        del junk
+        out = torch.ops.quantfuse._awq_gemm_sm90_cuda(x, wq, sp, zp, G, None, config)
+        torch.cuda.synchronize()
+        check(out, x, q, z, s, G, None, f"M={M} config={config} {dtype}, NaN in the padded rows' block")
 
 
 @needs_sm90

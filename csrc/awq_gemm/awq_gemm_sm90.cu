@@ -71,6 +71,7 @@ int dispatch(const GemmParams& p) {
     case 10: return run_config<T, 10>(p);
     case 11: return run_config<T, 11>(p);
     case 12: return run_config<T, 12>(p);
+    case 13: return run_config<T, 13>(p);
     default: return kUnsupported;
   }
 }

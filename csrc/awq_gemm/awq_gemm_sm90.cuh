@@ -122,6 +122,9 @@ using ConfigWideCoop = Config<128, TN, 64, true, 2>;
 //    at best with whole tiles, 0.95-0.97x with config 12).
 template <int TN>
 using ConfigWideStreamK = Config<128, TN, 64, true, 2, cutlass::gemm::StreamKScheduler>;
+// 13: 64 x 64 x 128 ping-pong: at most 64 tokens, where a 128-token tile is half padding (x
+//    copied into a padded buffer, or TMA's out-of-bounds fill, which runs slowly).
+using ConfigNarrow = Config<64, 64, 128, false>;
 
 // Configuration index -> type; kCosts (awq_gemm_sm90_choice.h) lists the same tiles.
 template <int C> struct ConfigAt;
@@ -138,6 +141,7 @@ template <> struct ConfigAt<9> { using type = ConfigWideCoop<192>; };
 template <> struct ConfigAt<10> { using type = ConfigWideCoop<224>; };
 template <> struct ConfigAt<11> { using type = ConfigWideStreamK<256>; };
 template <> struct ConfigAt<12> { using type = ConfigWideStreamK<192>; };
+template <> struct ConfigAt<13> { using type = ConfigNarrow; };
 
 template <class T, class Cfg>
 struct AwqGemm {
@@ -267,7 +271,7 @@ int run_config(const GemmParams& p) {
 QF_AWQ_SM90_EXTERN(0) QF_AWQ_SM90_EXTERN(1) QF_AWQ_SM90_EXTERN(2) QF_AWQ_SM90_EXTERN(3)
 QF_AWQ_SM90_EXTERN(4) QF_AWQ_SM90_EXTERN(5) QF_AWQ_SM90_EXTERN(6) QF_AWQ_SM90_EXTERN(7)
 QF_AWQ_SM90_EXTERN(8) QF_AWQ_SM90_EXTERN(9) QF_AWQ_SM90_EXTERN(10) QF_AWQ_SM90_EXTERN(11)
-QF_AWQ_SM90_EXTERN(12)
+QF_AWQ_SM90_EXTERN(12) QF_AWQ_SM90_EXTERN(13)
 #undef QF_AWQ_SM90_EXTERN
 
 // Instantiates configuration C for both activation dtypes (one line per tiles file).

@@ -21,12 +21,20 @@ namespace awq_sm90 {
 // * Token tiles wider than 128 only above 128 tokens: below, one 128-token tile covers M and
 //   a wider one only adds padding (28672 x 4096 at M = 48-128 took 66-70 µs with 128 x 160
 //   tiles against 61-62 with 64 x 128).
-// The per-wave times are fitted to a sweep of all thirteen configurations forced at
+// * Token tiles narrower than 128 only up to their width: above it each weight tile is read by
+//   two CTAs (6144 x 4096 at M = 65-128: 28-30 µs with 64 x 64 tiles against 17-19 with
+//   64 x 128).
+// The per-wave times of configs 0-12 are fitted to a sweep of all of them forced at
 // M = 128..4096 on the four Llama shapes, two repeats, fresh x per input set
 // (benchmarks/bench_awq_sm90_configs.py --fresh-x).  On that sweep the choice is within 5% of
 // the fastest configuration at 64 of the 72 points, 0.9% slower summed and at most 15%
 // (28672 x 4096 at M = 320); without configs 11 and 12 it would be 2.3% slower summed and at
 // most 24%.
+// * Config 13 (64 x 64, at most 64 tokens) was measured on an H200 against configs 1 and 4 at
+//   M = 33..128, the four shapes, two repeats: 14.3 µs per wave (13.3-17.6).  Its 17.5 keeps
+//   it where it is fastest (4096 x 4096, 6144 x 4096: 15.6 µs against 18.6 with config 1
+//   padded; 28672 x 4096: 54, as stream-K) and leaves 4096 x 14336, where stream-K over
+//   128 x 128 tiles takes 38 µs against 46.5, to config 4.
 struct TileCost {
   int rows, tokens;
   bool k128;        // needs K % 128 == 0 and group_size % 128 == 0 (or per-channel)
@@ -34,14 +42,14 @@ struct TileCost {
   double wave_us;   // time of one wave of tiles at K = 4096
   double fixup_us;  // stream-K's partial-tile reduction (does not grow with K)
 };
-constexpr int kNumConfigs = 13;
+constexpr int kNumConfigs = 14;
 constexpr double kWasteWeight = 0.375;
 constexpr TileCost kCosts[kNumConfigs] = {
     {64, 128, false, false, 19.0, 0.0},  {64, 128, true, false, 16.4, 0.0},   {64, 256, false, false, 25.5, 0.0},
     {128, 256, false, false, 41.4, 0.0}, {128, 128, false, true, 32.1, 10.0}, {64, 160, true, false, 19.4, 0.0},
     {64, 192, true, false, 19.9, 0.0},   {64, 224, true, false, 24.8, 0.0},   {128, 160, false, false, 32.3, 0.0},
     {128, 192, false, false, 31.5, 0.0}, {128, 224, false, false, 40.9, 0.0}, {128, 256, false, true, 42.0, 15.0},
-    {128, 192, false, true, 32.5, 15.0},
+    {128, 192, false, true, 32.5, 15.0}, {64, 64, true, false, 17.5, 0.0},
 };
 
 // Tokens per tile of a configuration (the kernel's N tile).
@@ -55,7 +63,7 @@ inline int choose_config(int64_t M, int64_t N, int64_t K, int group_size, int sm
   double best_cost = -1.0;
   for (int c = 0; c < kNumConfigs; ++c) {
     const TileCost& t = kCosts[c];
-    if ((t.k128 && !k128_ok) || (M <= 128 && t.tokens > 128)) continue;
+    if ((t.k128 && !k128_ok) || (M <= 128 && t.tokens > 128) || (t.tokens < 128 && M > t.tokens)) continue;
     const int64_t token_tiles = (M + t.tokens - 1) / t.tokens;
     const int64_t tiles = ((N + t.rows - 1) / t.rows) * token_tiles;
     const double waves = t.stream_k ? double(tiles) / double(sms) : double((tiles + sms - 1) / sms);

@@ -145,7 +145,16 @@ at::Tensor awq_gemm_sm90_cuda(const at::Tensor& x, const at::Tensor& wq, const a
                                                   quantfuse::sm_count(x.get_device(), 0));
   int64_t rows = qa::padded_tokens(M, cfg);
   if (rows * K >= (int64_t(1) << 31) || rows * N >= (int64_t(1) << 31)) rows = M;  // 32-bit indexing
-  const at::Tensor xk = rows == M ? x : at::constant_pad_nd(x, {0, 0, 0, rows - M});
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
+  // A padded call copies x into a buffer of `rows` rows with one copy and leaves the rows past M
+  // as they are: output row m reads row m of x only, so they reach only the output rows that
+  // are dropped (a zero fill would cost another launch on every padded call).
+  at::Tensor xk = x;
+  if (rows != M) {
+    xk = at::empty({rows, K}, x.options());
+    check_cuda(cudaMemcpyAsync(xk.data_ptr(), x.data_ptr(), x.nbytes(), cudaMemcpyDeviceToDevice, stream),
+               "copying x into the padded buffer");
+  }
   at::Tensor out = at::empty({rows, N}, x.options());
   at::Tensor workspace;
   qa::GemmParams p;
@@ -161,13 +170,16 @@ at::Tensor awq_gemm_sm90_cuda(const at::Tensor& x, const at::Tensor& wq, const a
   p.group_size = static_cast<int>(group_size);
   p.config = cfg;
   p.device = x.get_device();
-  p.stream = at::cuda::getCurrentCUDAStream().stream();
+  p.stream = stream;
   p.alloc = &alloc_workspace;
   p.alloc_ctx = &workspace;
   const int status = dt == qa::DType::kHalf ? qa::gemm_f16(p) : qa::gemm_bf16(p);
   QF_CHECK(status == qa::kOk, "quantfuse awq_sm90: GEMM failed (status %d, config %lld, M=%lld, N=%lld, K=%lld, group_size=%lld)",
            (int)status, (long long)cfg, (long long)M, (long long)N, (long long)K, (long long)group_size);
-  return rows == M ? out : out.narrow(0, 0, M);
+  // The first M rows, as a tensor of its own rather than a view (narrow costs dispatcher trips):
+  // `out` is fresh and not shared, so its sizes may shrink over the same storage.
+  if (rows != M) out.unsafeGetTensorImpl()->set_sizes_contiguous({M, N});
+  return out;
 }
 
 }  // namespace quantfuse
