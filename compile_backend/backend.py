@@ -30,7 +30,8 @@ family raises ``ValueError`` naming it and the valid ones (Dynamo reports it
 as ``BackendCompilerFailed``); fallback is for real compile failures only.
 
 ``mode`` works as for Inductor ("reduce-overhead" turns on CUDA graphs,
-"max-autotune" max-autotune).
+"max-autotune" max-autotune).  A graph run as a CUDA graph refuses to run once a weight it
+read derived values of has changed since it was captured (``captured_graphs.py``).
 """
 
 from __future__ import annotations
@@ -176,11 +177,13 @@ def quantfuse(gm: torch.fx.GraphModule, example_inputs, options: dict | None = N
     if not ours["passes"]:
         return compile_fx(gm, example_inputs, config_patches=inductor_patches)
 
+    from compile_backend.captured_graphs import guard_derived_reads, uses_cuda_graphs
     from compile_backend.passes import make_graph_passes
 
     patches = install_passes(inductor_patches, make_graph_passes(ours))
     try:
-        return compile_fx(gm, example_inputs, config_patches=patches)
+        compiled = compile_fx(gm, example_inputs, config_patches=patches)
+        return guard_derived_reads(compiled) if uses_cuda_graphs(patches) else compiled
     except Exception as exc:
         # Dynamo's restart signals (e.g. TensorifyScalarRestartAnalysis under dynamic=True) are control flow.
         if not ours["fallback"] or isinstance(exc, torch._dynamo.exc.RestartAnalysis):

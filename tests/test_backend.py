@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import subprocess
 import sys
@@ -217,3 +218,76 @@ def test_compiled_quantized_model_matches_eager():
     # Fused ops accumulate int8 products exactly where eager dequantizes to float32 first:
     # both are float32-accurate, so they agree to float32 rounding amplified through 2 layers.
     torch.testing.assert_close(compiled, eager, rtol=1e-3, atol=1e-3)
+
+
+class _GraphOps:
+    """Stands in for the C++ ops the CUDA-graph guard calls (csrc/common/derived_cache.cpp)."""
+
+    def __init__(self, stale=False):
+        self.calls, self.stale = [], stale
+
+    def _derived_graph_enter(self, graph):
+        self.calls.append(("enter", graph))
+        if self.stale:
+            raise RuntimeError("that weight has changed since")
+
+    def _derived_graph_exit(self):
+        self.calls.append(("exit",))
+
+    def _derived_graph_forget(self, graph):
+        self.calls.append(("forget", graph))
+
+
+def test_cuda_graph_compiles_are_guarded(monkeypatch):
+    """With CUDA graphs (mode="reduce-overhead") the compiled graph runs between the derived-value
+    cache's graph_enter and graph_exit; without them it is Inductor's own callable."""
+    from compile_backend import captured_graphs
+
+    monkeypatch.setattr("torch._inductor.compile_fx.compile_fx", lambda gm, inputs, config_patches=None: gm.forward)
+    gm = torch.fx.symbolic_trace(torch.nn.ReLU())
+    plain = backend.quantfuse(gm, [torch.randn(2)])
+    guarded = backend.quantfuse(gm, [torch.randn(2)], mode="reduce-overhead")
+    assert plain == gm.forward
+    assert guarded.__module__ == captured_graphs.__name__
+    with inductor_config.patch({"triton.cudagraphs": True}):
+        assert backend.quantfuse(gm, [torch.randn(2)]).__module__ == captured_graphs.__name__
+    assert captured_graphs.uses_cuda_graphs({"triton.cudagraphs": False}) is False
+
+
+def test_cuda_graph_guard_enters_checks_and_exits(monkeypatch):
+    """The guard: nothing to check until the kernels are loaded; then every call enters its
+    graph's id (which raises, without running the graph, when a weight it captured derived
+    values of has changed) and exits after, also when the graph raises; the record of a graph
+    that is gone is dropped."""
+    from compile_backend import captured_graphs, kernels
+
+    ran = []
+
+    def graph(x):
+        ran.append(x)
+        if x is None:
+            raise ValueError("the graph failed")
+        return x + 1
+
+    ops = _GraphOps()
+    monkeypatch.setattr(torch.ops, "quantfuse", ops)
+    monkeypatch.setitem(kernels._state, "status", "absent")
+    run = captured_graphs.guard_derived_reads(graph)
+    assert run(1) == 2 and ops.calls == []
+    monkeypatch.setitem(kernels._state, "status", "loaded")
+    assert run(2) == 3
+    (_, graph_id), exit_call = ops.calls
+    assert exit_call == ("exit",)
+    with pytest.raises(ValueError, match="the graph failed"):
+        run(None)
+    assert ops.calls[-2:] == [("enter", graph_id), ("exit",)]
+    other = captured_graphs.guard_derived_reads(graph)
+    other(3)
+    assert ops.calls[-2][1] != graph_id  # each compiled graph has its own id
+    ops.stale, ran[:] = True, []
+    with pytest.raises(RuntimeError, match="changed since"):
+        run(4)
+    assert ran == [] and ops.calls[-1] == ("enter", graph_id)
+    del run, other
+    gc.collect()
+    assert ("forget", graph_id) in ops.calls

@@ -444,6 +444,52 @@ def test_reduce_overhead_w8a8_asym_model(Mx):
         torch._dynamo.reset()
 
 
+def _new_weights(layer, family):
+    """Another weight for ``layer``, quantized the same way: {held tensor name: tensor}."""
+    torch.manual_seed(7)
+    fresh = torch.nn.Linear(512, 512, device=DEV)
+    if family == "awq_gemm":
+        other = AWQLinear.from_linear(fresh, group_size=128, dtype=torch.float16)
+        return {name: getattr(other, name) for name in ("qweight", "qzeros", "scales")}
+    other = W8A8Linear.from_linear(fresh, symmetric=False, out_dtype=torch.float32)
+    return {"weight": other.weight, "weight_scale": other.weight_scale}
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("write", ("copy_", ".data.copy_"))
+@pytest.mark.parametrize("family", ("awq_gemm", "scaled_mm_azp"))
+def test_reduce_overhead_refuses_changed_weights(family, write):
+    """A graph captured under mode="reduce-overhead" replays the derived values (repacked AWQ
+    weight, column sums) it was captured with.  Once a weight changes in place -- through the
+    tensor or through ``.data`` -- the next call raises, naming the weight, instead of computing
+    with the old one; compiled again, the model matches eager with the new weights."""
+    torch._dynamo.reset()
+    derived_clear()
+    torch.manual_seed(300)
+    if family == "awq_gemm":
+        layer = AWQLinear.from_linear(torch.nn.Linear(512, 512, device=DEV), group_size=128, dtype=torch.float16)
+        xs = [torch.randn(64, 512, device=DEV, dtype=torch.float16) for _ in range(3)]
+        bound = 5e-3
+    else:
+        layer = W8A8Linear.from_linear(torch.nn.Linear(512, 512, device=DEV), symmetric=False,
+                                       out_dtype=torch.float32)
+        xs = [torch.randn(4, 512, device=DEV) + 0.3 for _ in range(3)]
+        bound = 1e-3
+    try:
+        compiled = _reduce_overhead_calls(layer, xs, family, bound)
+        with torch.no_grad():
+            for name, value in _new_weights(layer, family).items():
+                held = getattr(layer, name)
+                (held if write == "copy_" else held.data).copy_(value)
+            torch.compiler.cudagraph_mark_step_begin()
+            with pytest.raises(RuntimeError, match=r"weight of shape \[.*has changed since"):
+                compiled(xs[0])
+        torch._dynamo.reset()
+        _reduce_overhead_calls(layer, xs, family, bound)
+    finally:
+        torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("Mx", (1, 64))
 def test_cuda_graph_capture_keeps_no_derived_value(Mx):
     """torch.cuda.graph capture of the public awq_gemm after a warm-up call: whether or not the

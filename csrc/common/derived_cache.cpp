@@ -11,6 +11,7 @@
 #include <exception>
 #include <map>
 #include <mutex>
+#include <string>
 #include <thread>
 
 namespace quantfuse {
@@ -31,6 +32,24 @@ std::map<std::vector<int64_t>, Entry> g_entries;
 // a graph reading a freed weight is invalid anyway.
 std::vector<at::Tensor> g_retired;
 int64_t g_computed = 0, g_hits = 0;
+
+// What each CUDA graph captured under the quantfuse backend read from here: the sources of every
+// value served while it was captured, and their versions then (see derived_cache.h).
+struct GraphRead {
+  std::vector<c10::weak_intrusive_ptr<c10::TensorImpl>> refs;
+  std::vector<int64_t> versions;
+};
+std::map<int64_t, std::map<std::vector<int64_t>, GraphRead>> g_graph_reads;
+// The compiled graph this thread runs (graph_enter), 0 outside one.
+thread_local int64_t t_graph = 0;
+
+std::string describe(const c10::weak_intrusive_ptr<c10::TensorImpl>& ref) {
+  auto impl = ref.lock();
+  if (!impl) return "a weight that has since been freed";
+  std::string text = "a weight of shape [";
+  for (int64_t d = 0; d < impl->dim(); ++d) text += (d ? ", " : "") + std::to_string(impl->size(d));
+  return text + "] (" + std::string(c10::toString(impl->dtype())) + ")";
+}
 
 void retire(Entry& e) {
   if (e.captured)
@@ -127,7 +146,10 @@ std::vector<at::Tensor> derived_list(int kind, c10::ArrayRef<at::Tensor> sources
       ++g_hits;
       // A graph being captured now reads these values on every replay: they must outlive the
       // entry (see retire()).
-      if (in_capture) it->second.captured = true;
+      if (in_capture) {
+        it->second.captured = true;
+        if (t_graph != 0) g_graph_reads[t_graph][key] = GraphRead{it->second.refs, it->second.versions};
+      }
       return it->second.values;
     }
     ++g_computed;
@@ -155,6 +177,36 @@ void clear_derived() {
   g_computed = g_hits = 0;
 }
 
+void graph_enter(int64_t graph) {
+  std::string stale;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto reads = g_graph_reads.find(graph);
+    if (reads != g_graph_reads.end()) {
+      for (const auto& [key, read] : reads->second) {
+        for (size_t i = 0; i < read.refs.size() && stale.empty(); ++i) {
+          auto impl = read.refs[i].lock();
+          if (!impl || impl->version_counter().current_version() != static_cast<uint32_t>(read.versions[i]))
+            stale = describe(read.refs[i]);
+        }
+        if (!stale.empty()) break;
+      }
+    }
+  }
+  TORCH_CHECK(stale.empty(), "quantfuse: this compiled model's CUDA graph was captured reading values derived from ",
+              stale, " (its column sums, repacked or concatenated layout), and that weight has changed since: a "
+              "replay would compute with the old weight.  After changing weights of a model compiled with "
+              "mode=\"reduce-overhead\", call torch._dynamo.reset() and compile it again.");
+  t_graph = graph;
+}
+
+void graph_exit() { t_graph = 0; }
+
+void graph_forget(int64_t graph) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  g_graph_reads.erase(graph);
+}
+
 std::vector<int64_t> derived_stats() {
   std::lock_guard<std::mutex> lock(g_mutex);
   for (auto it = g_entries.begin(); it != g_entries.end();) it = alive(it->second) ? std::next(it) : g_entries.erase(it);
@@ -166,4 +218,7 @@ std::vector<int64_t> derived_stats() {
 TORCH_LIBRARY_FRAGMENT(quantfuse, m) {
   m.def("_derived_cache_clear() -> ()", &quantfuse::clear_derived);
   m.def("_derived_cache_stats() -> int[]", &quantfuse::derived_stats);
+  m.def("_derived_graph_enter(int graph) -> ()", &quantfuse::graph_enter);
+  m.def("_derived_graph_exit() -> ()", &quantfuse::graph_exit);
+  m.def("_derived_graph_forget(int graph) -> ()", &quantfuse::graph_forget);
 }

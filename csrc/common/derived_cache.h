@@ -43,6 +43,16 @@ enum DerivedKind : int { kAwqRepack = 1, kAwqPrepareSm90 = 2, kWeightColsum = 3,
 // Drops every entry and zeroes the counts.
 void clear_derived();
 
+// CUDA graphs captured under the quantfuse backend (compile_backend/captured_graphs.py): a graph
+// replays the values it was captured with, with no host code of ours running, so a weight changed
+// in place afterwards would go unseen.  Each compiled graph calls graph_enter(id) before it runs
+// and graph_exit() after; values served while it is captured are recorded under its id with their
+// sources' versions, and graph_enter raises when any of those sources has changed (or been freed)
+// since.  graph_forget(id) drops the record of a graph that is gone.
+void graph_enter(int64_t graph);
+void graph_exit();
+void graph_forget(int64_t graph);
+
 // {values made, values served from the cache, live entries}.
 std::vector<int64_t> derived_stats();
 
