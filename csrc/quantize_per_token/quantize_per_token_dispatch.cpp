@@ -13,6 +13,7 @@
 #include <tuple>
 
 #include "common/check.h"
+#include "common/launch_dtype.h"
 #include "common/reference.h"
 #include "quantize_per_token/quantize_per_token.h"
 
@@ -35,11 +36,6 @@ std::string quantize_reason(const at::Tensor& x, at::ScalarType qdtype, bool sym
   return "";
 }
 
-Dt dtype_of(at::ScalarType t) {
-  return t == at::kHalf ? Dt::kF16
-                        : (t == at::kBFloat16 ? Dt::kBF16 : Dt::kF32);
-}
-
 Result quantize_per_token_cuda(const at::Tensor& x_in, at::ScalarType qdtype, bool symmetric) {
   const std::string reason = quantize_reason(x_in, qdtype, symmetric);
   if (!reason.empty())
@@ -58,7 +54,7 @@ Result quantize_per_token_cuda(const at::Tensor& x_in, at::ScalarType qdtype, bo
   p.M = M;
   p.K = K;
   p.ldx = M == 1 ? 0 : x.stride(0);
-  p.dtype = dtype_of(x.scalar_type());
+  p.dtype = launch_dtype(x, "quantize_per_token", "x");
   p.fp8 = qdtype == at::kFloat8_e4m3fn;
   p.symmetric = symmetric;
   p.stream = at::cuda::getCurrentCUDAStream(x.device().index()).stream();

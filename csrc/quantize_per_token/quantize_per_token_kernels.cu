@@ -104,16 +104,13 @@ __global__ void __launch_bounds__(kThreads)
   }
   block_reduce(lo, hi);
 
-  float scale, zp = 0.f;
-  if constexpr (kSymmetric) {
-    scale = hi * inv_qmax;
-    scale = scale < kMinScale ? kMinScale : scale;
-  } else {
-    const float xmin = lo > 0.f ? 0.f : lo, xmax = hi < 0.f ? 0.f : hi;
-    scale = (xmax - xmin) * inv_qmax;
-    scale = scale < kMinScale ? kMinScale : scale;
-    zp = clamp(rintf(-128.f - xmin / scale), -128.f, 127.f);
-  }
+  // Symmetric: hi is the row's amax and the range [0, hi] (hi - 0 is hi, NaN included);
+  // asymmetric: [lo, hi] widened to hold 0.
+  const float xmin = kSymmetric || lo > 0.f ? 0.f : lo;
+  const float xmax = !kSymmetric && hi < 0.f ? 0.f : hi;
+  float scale = (xmax - xmin) * inv_qmax;
+  scale = scale < kMinScale ? kMinScale : scale;
+  const float zp = kSymmetric ? 0.f : clamp(rintf(-128.f - xmin / scale), -128.f, 127.f);
   if (threadIdx.x == 0) {
     scale_out[row] = scale;
     zp_out[row] = zp;

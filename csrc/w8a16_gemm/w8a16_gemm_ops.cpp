@@ -10,6 +10,7 @@
 #include <optional>
 
 #include "common/check.h"
+#include "common/launch_dtype.h"
 #include "common/sm_count.h"
 #include "w8a16_gemm/w8a16_gemm.h"
 #include "w8a16_gemm/w8a16_gemm_torch.h"
@@ -22,16 +23,6 @@ using w8a16::Dt;
 // The decode kernel's token slices serve up to this M when called directly (tests, benchmarks);
 // the dispatch's own threshold is kDecodeMaxM in w8a16_gemm_dispatch.cpp.
 constexpr int64_t kDecodeKernelMaxM = 256;
-
-Dt dtype_of(const at::Tensor& x) {
-  switch (x.scalar_type()) {
-    case at::kHalf: return Dt::kF16;
-    case at::kBFloat16: return Dt::kBF16;
-    case at::kFloat: return Dt::kF32;
-    default:
-      fail("quantfuse w8a16: 'x' has dtype %s; expected float16, bfloat16 or float32", c10::toString(x.scalar_type()));
-  }
-}
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
@@ -63,7 +54,7 @@ w8a16::Params params(const at::Tensor& x, const at::Tensor& w_q, const at::Tenso
   p.ldx = x.stride(0);
   p.ldw = w_q.stride(0);
   p.ldy = y.stride(0);
-  p.dtype = dtype_of(x);
+  p.dtype = launch_dtype(x, "w8a16", "x");
   p.scale_f32 = w_scale.scalar_type() == at::kFloat;
   p.scale_per_channel = w_scale.numel() != 1 || N == 1;
   p.stream = at::cuda::getCurrentCUDAStream(x.device().index()).stream();
@@ -110,8 +101,9 @@ at::Tensor w8a16_prefill_cuda(const at::Tensor& x, const at::Tensor& w_q, const 
   if (w_q.is_contiguous() && w_q.numel() % 16 == 0 && aligned16(w_q.data_ptr())) {
     w_dt = at::empty(w_q.sizes(), x.options());
     int err = 0;
+    const auto stream = at::cuda::getCurrentCUDAStream(x.device().index()).stream();
     check_status(w8a16::launch_cast(static_cast<const int8_t*>(w_q.data_ptr()), w_dt.data_ptr(), w_q.numel(),
-                                    dtype_of(x), at::cuda::getCurrentCUDAStream(x.device().index()).stream(), &err),
+                                    launch_dtype(x, "w8a16", "x"), stream, &err),
                  err, "weight cast");
   } else {
     w_dt = w_q.to(x.scalar_type());
