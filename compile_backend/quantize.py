@@ -13,11 +13,12 @@ them with round-to-nearest quantization.
 * ``AWQLinear``: AWQ-format ``qweight``/``qzeros``/``scales`` (docs/DESIGN.md's bit
   order), group sizes 32/64/128 or per-channel (group = K), optional bias.
 
-Both hold their tensors as frozen parameters (``requires_grad=False``), not buffers: Dynamo
-guards every buffer a compiled graph reads with a no-aliasing check, which keeps it from
-skipping the guards of a module whose ``__dict__`` is unchanged since the last call; with
-parameters, guard evaluation skips a quantized layer as it skips an ``nn.Linear``, which
-matters per decode step (docs/DESIGN.md, "Guards").  ``set_tensors`` replaces them.
+Both hold their tensors as frozen parameters (``requires_grad=False``): guard evaluation skips
+a quantized layer as it skips an ``nn.Linear``, which matters per decode step (docs/DESIGN.md,
+"Guards").  They are ``HeldParameter``s, whose ``.data`` shares the version counter, so that the
+cache of values derived from weights sees writes through ``.data`` (``held_parameter.py``);
+every way a tensor is put in (assignment, ``set_tensors``, ``load_state_dict``, dtype and device
+conversions) keeps the class.  ``set_tensors`` replaces them.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .held_parameter import HeldParameter
 from .ops import AWQ_ORDER, AWQ_PACK, AWQ_SHIFTS, OUT_DTYPES, awq_unpack
 from .quantize_per_token import (
     FP8_MAX,
@@ -120,10 +122,27 @@ def quantize_weight_awq(weight: torch.Tensor, group_size: int, dtype=torch.float
 # --------------------------------------------------------------------------- held tensors
 
 
-def _frozen(t: torch.Tensor | None) -> nn.Parameter | None:
-    if t is None or isinstance(t, nn.Parameter) and not t.requires_grad:
+def _frozen(t: torch.Tensor | None) -> HeldParameter | None:
+    """``t`` as a held tensor: a frozen ``HeldParameter`` sharing its storage (no copy)."""
+    if t is None or isinstance(t, HeldParameter) and not t.requires_grad:
         return t
-    return nn.Parameter(t.detach(), requires_grad=False)
+    return HeldParameter(t.detach(), requires_grad=False)
+
+
+def _keep_held(module: nn.Module, before: dict) -> None:
+    """After torch's own code replaced ``module``'s tensors (``nn.Module._apply``,
+    ``_load_from_state_dict``), make each a ``HeldParameter`` again.  Those paths build plain
+    ``nn.Parameter``s where they overwrite a parameter, and under
+    ``torch.__future__.set_swap_module_params_on_conversion(True)`` ``swap_tensors`` moves a
+    plain ``nn.Parameter``'s class onto the object kept in place: a tensor that was held
+    (``before``, name -> tensor) gets its class back and keeps its identity, as the swap meant."""
+    for name, t in module._parameters.items():
+        if t is None or isinstance(t, HeldParameter):
+            continue
+        if t is before.get(name) and type(t) is nn.Parameter:
+            t.__class__ = HeldParameter
+        else:
+            module._parameters[name] = _frozen(t)
 
 
 def set_tensors(module: nn.Module, **tensors: torch.Tensor | None) -> nn.Module:
@@ -144,14 +163,22 @@ def held_tensors(module: nn.Module) -> dict[str, torch.Tensor | None]:
 
 
 class _HoldsTensors(nn.Module):
-    """Assigning a plain tensor to a held name (``layer.scales = t``) stores it as a frozen
-    parameter, as assigning to a buffer stored it before."""
+    """Assigning any tensor to a held name (``layer.scales = t``) stores it as a frozen
+    ``HeldParameter``; ``load_state_dict`` keeps the class (``assign=True`` and swapping put
+    plain parameters in)."""
 
     def __setattr__(self, name: str, value) -> None:
         params = self.__dict__.get("_parameters")
         if params is not None and name in params and isinstance(value, torch.Tensor):
             value = _frozen(value)
         super().__setattr__(name, value)
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:
+        before = dict(self._parameters)
+        try:
+            super()._load_from_state_dict(*args, **kwargs)
+        finally:
+            _keep_held(self, before)
 
 
 def _dtype_attribute(name: str, doc: str) -> property:
@@ -190,7 +217,7 @@ def _apply_keeping_dtypes(module: nn.Module, fn, recurse: bool, names) -> None:
     (``.to(dtype)``, ``.half()``, ``.bfloat16()``, ``.float()``, ``.type()``) the tensor
     only follows ``fn``'s device.  Nothing changes if ``fn`` raises.
     """
-    kept = {}
+    before, kept = dict(module._parameters), {}
     for name in names:
         t = module._parameters.get(name)
         if t is None:
@@ -200,12 +227,22 @@ def _apply_keeping_dtypes(module: nn.Module, fn, recurse: bool, names) -> None:
             kept[name] = (t, t if probe.device == t.device else _frozen(t.to(device=probe.device)))
     for name in kept:
         module._parameters[name] = None  # nn.Module._apply skips None entries; the slot keeps its order
+
+    def applied(t: torch.Tensor) -> torch.Tensor:
+        out = fn(t)
+        # fn may return the tensor itself (``.to()`` of a tensor already there); the swap and
+        # overwrite paths of nn.Module._apply wrap what it returns in nn.Parameter, which takes no
+        # subclass of it: they get an alias, sharing storage and version counter.
+        return torch._C.TensorBase.detach(out) if isinstance(out, HeldParameter) else out
+
     try:
-        nn.Module._apply(module, fn, recurse)
+        nn.Module._apply(module, applied, recurse)
     except BaseException:
         for name, (old, _) in kept.items():
             module._parameters[name] = old
+        _keep_held(module, before)
         raise
+    _keep_held(module, before)
     for name, (_, new) in kept.items():
         module._parameters[name] = new
 

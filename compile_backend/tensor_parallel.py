@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import _functional_collectives as funcol
 
+from .held_parameter import HeldParameter
 from .ops import AWQ_PACK
 from .quantize import AWQLinear, W8A8Linear, set_tensors
 
@@ -62,6 +63,11 @@ class RowParallelLinear(nn.Module):
         self.group = group
         self.in_features = local.in_features  # this rank's share of K
         self.out_features = local.out_features
+        if isinstance(bias, HeldParameter):
+            # A quantized layer's bias, added here outside its op: nothing is derived from it, and
+            # as a plain nn.Parameter it takes what torch does with parameters (nn.Parameter(p),
+            # Module._apply's swap path, Dynamo's guards), where a subclass is treated otherwise.
+            bias = nn.Parameter(bias.detach(), requires_grad=bias.requires_grad)
         if isinstance(bias, nn.Parameter):
             self.bias = bias
         else:

@@ -31,9 +31,10 @@ transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from compile_backend.checkpoints import UnsupportedCheckpointError, from_pretrained  # noqa: E402
+from compile_backend.held_parameter import HeldParameter  # noqa: E402
 from compile_backend.ops import awq_unpack  # noqa: E402
 from compile_backend.passes import collecting_report  # noqa: E402
-from compile_backend.quantize import AWQLinear, W8A8Linear, quantize_weight_awq  # noqa: E402
+from compile_backend.quantize import AWQLinear, W8A8Linear, held_tensors, quantize_weight_awq  # noqa: E402
 
 LINEARS = 14  # q, k, v, o, gate, up, down per layer; lm_head stays float
 VOCAB = 64
@@ -389,6 +390,23 @@ def test_compressed_tensors_fused(tmp_path):
         ref = reference_model(folder)(tokens(seed=1)).logits
     # Activation quantization (FP8 on o_proj, int8 elsewhere) and bfloat16 rounding [5.2%].
     check_compiled(model, {"scaled_mm": 8, "scaled_mm_azp": 4, "awq_gemm": 2}, against=(ref, 0.1))
+
+
+def test_loaded_layers_see_writes_through_data(ct_checkpoints, w4_checkpoints, tmp_path):
+    """Every loader (compressed-tensors W8A8/FP8 and pack-quantized W4A16, AWQ) leaves the layers
+    holding HeldParameters: a write through ``.data`` bumps the version counter that the values
+    derived from weights are cached by."""
+    folders = [*ct_checkpoints.values(), *w4_checkpoints.values(), write_awq(str(tmp_path / "awq"))]
+    for folder in folders:
+        model = from_pretrained(folder)
+        for name, mod in quantized_modules(model).items():
+            for key, t in held_tensors(mod).items():
+                if t is None:
+                    continue
+                assert type(t) is HeldParameter and not t.requires_grad, (folder, name, key, type(t))
+                version = t._version
+                t.data.view(-1)[:1].copy_(t.detach().view(-1)[:1].clone())
+                assert t._version > version, (folder, name, key)
 
 
 # --------------------------------------------------------------------------- AWQ

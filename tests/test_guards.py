@@ -3,8 +3,7 @@
 Every call of a compiled function first evaluates its guards.  Dynamo skips the guards of an
 ``nn.Module`` subtree whose ``__dict__`` tags are unchanged since the last call (a "tag-safe
 root"; ``torch._dynamo.config.use_recursive_dict_tags_for_guards``, on by default in torch 2.11),
-but only when everything guarded under it is immutable: tensors without a no-aliasing guard
-(parameters; Dynamo guards every buffer against aliasing) and ints, strs, ... (not a
+but only when everything guarded under it is immutable: tensors, ints, strs, ... (not a
 ``torch.dtype``).  ``W8A8Linear`` and ``AWQLinear`` are built for that (frozen parameters,
 dtypes held by name), so a decoder layer of quantized linears is skipped as one of
 ``nn.Linear`` is, whatever the number of tensors per linear.
@@ -120,7 +119,8 @@ def test_quantized_linears_guard_like_nn_linear(scheme, unquantized):
     assert not untagged, f"{scheme}: guards of these linears are evaluated on every call: {untagged}"
     assert got["roots"] == unquantized["roots"], (got["roots"], unquantized["roots"])
     assert _per_layer(scheme) <= unquantized["per_layer"], (_per_layer(scheme), unquantized["per_layer"])
-    # No quantized tensor takes part in the no-aliasing guard (evaluated every call, over all of them).
+    # The held tensors are parameters, not buffers.  (As HeldParameters, not exactly nn.Parameter,
+    # they are in Dynamo's per-call no-aliasing check, which leaves the layers tag safe, above.)
     ours = {id(t) for m in model.modules() if isinstance(m, (W8A8Linear, AWQLinear))
             for t in held_tensors(m).values() if t is not None}
     aliasing = " ".join(gm.no_tensor_aliasing_sources)

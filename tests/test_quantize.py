@@ -2,22 +2,29 @@
 
 from __future__ import annotations
 
+import copy
+import io
+
 import pytest
 import torch
+import torch._dynamo.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
 import compile_backend.ops as ops
+from compile_backend.held_parameter import HeldParameter
 from compile_backend.quantize import (
     AWQLinear,
     W8A8Linear,
     awq_pack,
     awq_unpack_values,
+    held_tensors,
     quantize_model,
     quantize_weight_awq,
     quantize_weight_fp8,
     quantize_weight_int8,
+    set_tensors,
 )
 
 
@@ -444,3 +451,312 @@ def test_awq_from_state_dict_accepts_an_in_order_g_idx():
     state["g_idx"] = torch.arange(128, dtype=torch.int32) // 32
     mod = AWQLinear.from_state_dict(state)
     assert mod.group_size == 32 and torch.equal(mod.scales, state["scales"])
+
+
+# --------------------------------------------------------------------------- held tensors: writes through .data
+
+
+def _w8a8_holding_all() -> W8A8Linear:
+    """Static asymmetric activations: weight, weight_scale, bias, input_scale and input_zero_point."""
+    torch.manual_seed(0)
+    return W8A8Linear.from_linear(
+        nn.Linear(64, 32),
+        dynamic=False,
+        per_token=False,
+        symmetric=False,
+        out_dtype=torch.float32,
+        calibration=torch.randn(8, 64),
+    )
+
+
+def _awq_holding_all() -> AWQLinear:
+    torch.manual_seed(0)
+    return AWQLinear.from_linear(nn.Linear(64, 32).half(), group_size=32)
+
+
+HOLDERS = {"w8a8": _w8a8_holding_all, "awq": _awq_holding_all}
+HELD_NAMES = {
+    "w8a8": ("weight", "weight_scale", "bias", "input_scale", "input_zero_point"),
+    "awq": ("qweight", "qzeros", "scales", "bias"),
+}
+
+
+def _other(t: torch.Tensor) -> torch.Tensor:
+    """A new tensor like ``t`` whose every element differs from ``t``'s."""
+    t = t.detach()
+    return (t.float() * 2 + 1).to(t.dtype) if t.is_floating_point() else t ^ 5
+
+
+def _first(t: torch.Tensor) -> torch.Tensor:
+    """``t[0]``, a view (of a 0-d tensor, its one element)."""
+    return t[0] if t.dim() else t.view(1)[0]
+
+
+def _assert_held(mod: nn.Module) -> None:
+    """Every tensor ``mod`` holds is a frozen HeldParameter whose ``.data`` shares its version counter."""
+    held = {name: t for name, t in held_tensors(mod).items() if t is not None}
+    assert held
+    for name, t in held.items():
+        assert type(t) is HeldParameter and not t.requires_grad, (name, type(t), t.requires_grad)
+        version = t._version
+        t.data.view(-1)[:1].copy_(t.detach().view(-1)[:1].clone())  # the same value, written
+        assert t._version > version, f"{name}: a write through .data is not seen"
+
+
+@pytest.mark.parametrize("holder, name", [(h, n) for h, names in HELD_NAMES.items() for n in names])
+def test_writes_through_data_bump_the_version(holder, name):
+    """Values derived from weights are cached per version counter: a write through ``.data`` (the
+    loaders' idiom), or through a view of it, bumps the held tensor's."""
+    t = getattr(HOLDERS[holder](), name)
+    new = _other(t)
+    version = t._version
+    t.data.copy_(new)
+    assert t._version > version and torch.equal(t, new)
+    version = t._version
+    _first(t.data).fill_(3)
+    assert t._version > version and bool((_first(t) == 3).all())
+
+
+@pytest.mark.parametrize("holder", HOLDERS)
+def test_assigning_data_replaces_it(holder):
+    """``.data = other`` still gives the parameter ``other``'s storage; later writes through ``.data``
+    are seen."""
+    mod = HOLDERS[holder]()
+    for name in HELD_NAMES[holder]:
+        t = getattr(mod, name)
+        other = _other(t)
+        t.data = other
+        assert getattr(mod, name) is t and type(t) is HeldParameter
+        assert t.data_ptr() == other.data_ptr() and torch.equal(t, other)
+        newer, version = _other(other), t._version
+        t.data.copy_(newer)
+        assert t._version > version and torch.equal(t, newer)
+
+
+def _reload(obj, weights_only: bool):
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=weights_only)
+
+
+def _loaded_into_new(mod: nn.Module, state: dict, assign: bool = False) -> nn.Module:
+    new = HOLDERS["w8a8" if isinstance(mod, W8A8Linear) else "awq"]()
+    new.load_state_dict(state, assign=assign)
+    return new
+
+
+def _replace_each(mod: nn.Module, make) -> nn.Module:
+    for name, t in list(held_tensors(mod).items()):
+        if t is not None:
+            make(mod, name, t)
+    return mod
+
+
+def _set_as_accelerate_does(mod, name, t):
+    mod._parameters[name] = type(t)(_other(t), requires_grad=False)
+
+
+# Every way a quantized module's tensors are put in: path name -> fn(module) -> the module holding them.
+PLACEMENTS = {
+    "set_tensors": lambda m: set_tensors(m, **{n: _other(t) for n, t in held_tensors(m).items() if t is not None}),
+    "set_tensors-parameter": lambda m: set_tensors(
+        m, **{n: nn.Parameter(_other(t), requires_grad=False) for n, t in held_tensors(m).items() if t is not None}
+    ),
+    "setattr": lambda m: _replace_each(m, lambda m, n, t: setattr(m, n, _other(t))),
+    "setattr-parameter": lambda m: _replace_each(
+        m, lambda m, n, t: setattr(m, n, nn.Parameter(_other(t), requires_grad=False))
+    ),
+    "accelerate": lambda m: _replace_each(m, _set_as_accelerate_does),
+    "load_state_dict": lambda m: _loaded_into_new(m, {k: _other(v) for k, v in m.state_dict().items()}),
+    "load_state_dict-assign": lambda m: _loaded_into_new(
+        m, {k: _other(v) for k, v in m.state_dict().items()}, assign=True
+    ),
+    "load_state_dict-parameters-assign": lambda m: _loaded_into_new(
+        m, {k: nn.Parameter(_other(v), requires_grad=False) for k, v in m.state_dict().items()}, assign=True
+    ),
+    "to-meta-to_empty": lambda m: m.to("meta").to_empty(device="cpu"),
+    "to-device-and-dtype": lambda m: m.to("meta", torch.bfloat16).to_empty(device="cpu"),
+    "to-cpu": lambda m: m.to("cpu"),
+    "to-dtype": lambda m: m.to(torch.bfloat16),
+    "half": lambda m: m.half(),
+    "bfloat16": lambda m: m.bfloat16(),
+    "float": lambda m: m.float(),
+    "deepcopy": copy.deepcopy,
+    "save-module": lambda m: _reload(m, weights_only=False),
+    "save-state_dict": lambda m: _loaded_into_new(m, _reload(m.state_dict(), weights_only=True)),
+    "save-state_dict-keep_vars": lambda m: _loaded_into_new(
+        m, _reload(m.state_dict(keep_vars=True), weights_only=True), assign=True
+    ),
+}
+CONVERSIONS = (
+    "load_state_dict",
+    "load_state_dict-assign",
+    "to-meta-to_empty",
+    "to-device-and-dtype",
+    "to-cpu",
+    "to-dtype",
+    "half",
+    "bfloat16",
+    "float",
+)
+
+
+@pytest.fixture(params=["default", "swap", "overwrite"])
+def conversion_mode(request):
+    """torch.__future__'s ways for nn.Module._apply and load_state_dict to put converted tensors in:
+    ``.data =`` (default), ``swap_tensors``, or a new nn.Parameter."""
+    setters = {
+        "swap": torch.__future__.set_swap_module_params_on_conversion,
+        "overwrite": torch.__future__.set_overwrite_module_params_on_conversion,
+    }
+    setter = setters.get(request.param)
+    if setter is not None:
+        setter(True)
+    yield request.param
+    if setter is not None:
+        setter(False)
+
+
+@pytest.mark.parametrize("holder", HOLDERS)
+@pytest.mark.parametrize("how", PLACEMENTS)
+def test_every_placement_holds_held_parameters(holder, how):
+    mod = HOLDERS[holder]()
+    _assert_held(mod)
+    _assert_held(PLACEMENTS[how](mod))
+
+
+@pytest.mark.parametrize("holder", HOLDERS)
+@pytest.mark.parametrize("how", CONVERSIONS)
+def test_conversions_hold_held_parameters_in_every_mode(holder, how, conversion_mode):
+    _assert_held(PLACEMENTS[how](HOLDERS[holder]()))
+
+
+def test_swapping_conversions_keep_the_held_objects():
+    """Under swap_tensors the converted tensors keep their identity (what swapping is for), and their class."""
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        mod = _w8a8_holding_all()
+        weight, bias = mod.weight, mod.bias
+        mod.half()  # the int8 weight is kept, the float32 bias converted
+        assert mod.weight is weight and mod.bias is bias and bias.dtype == torch.float16
+        mod.load_state_dict({k: _other(v) for k, v in mod.state_dict().items()})
+        assert mod.weight is weight and mod.bias is bias
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(False)
+    _assert_held(mod)
+
+
+def test_a_plain_parameter_becomes_held_without_a_copy():
+    mod = _awq_holding_all()
+    plain = nn.Parameter(torch.ones_like(mod.scales), requires_grad=False)
+    mod.scales = plain
+    held = mod.scales
+    assert type(held) is HeldParameter and held.data_ptr() == plain.data_ptr()
+    version = held._version
+    plain.add_(1)  # a write through the parameter it was made from is seen: they share the counter
+    assert held._version > version and torch.equal(held, torch.full_like(held, 2))
+    set_tensors(mod, scales=held)
+    assert mod.scales is held
+    again = HeldParameter(held, requires_grad=False)  # its own class, which nn.Parameter's constructor refuses
+    assert type(again) is HeldParameter and again.data_ptr() == held.data_ptr() and again is not held
+    assert repr(held).startswith("HeldParameter containing:\ntensor(")
+    _assert_held(mod)
+
+
+def test_held_tensors_pickle_as_held_parameters():
+    """state_dict() holds plain tensors (a checkpoint loads without this package); pickled held
+    tensors come back held, also through the weights-only unpickler."""
+    mod = _w8a8_holding_all()
+    assert all(type(v) is torch.Tensor for v in mod.state_dict().values())
+    state = _reload(mod.state_dict(keep_vars=True), weights_only=True)
+    assert list(state) == list(mod.state_dict())
+    for name, t in state.items():
+        assert type(t) is HeldParameter and not t.requires_grad and torch.equal(t, getattr(mod, name)), name
+        version = t._version
+        t.data.copy_(_other(t))
+        assert t._version > version
+    trainable = _reload(HeldParameter(torch.randn(3)), weights_only=True)
+    assert type(trainable) is HeldParameter and trainable.requires_grad
+
+
+@pytest.mark.parametrize("holder", HOLDERS)
+def test_functional_call_leaves_the_held_tensors_in_place(holder):
+    mod = HOLDERS[holder]()
+    before = dict(mod._parameters)
+    replaced = {n: _other(t) for n, t in before.items() if t is not None}
+    x = torch.randn(3, 64, dtype=mod.bias.dtype)
+    want = set_tensors(copy.deepcopy(mod), **replaced)(x)
+    assert torch.equal(torch.func.functional_call(mod, replaced, (x,)), want)
+    assert all(mod._parameters[n] is t for n, t in before.items())
+    _assert_held(mod)
+
+
+def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    got, ref = got.float(), ref.float()
+    return float((got - ref).norm() / ref.norm())
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("scheme", ["int8-asym", "awq-g32"])
+def test_compiled_model_sees_writes_through_data(scheme):
+    """Compiled once, in one graph; writes through ``.data`` after compiling recompile nothing, and the
+    next call computes with the new weights: the values derived from them (the merged q/k/v weights,
+    the column sums of asymmetric int8 weights; on CPU cached by ``ops._concat_cache`` and
+    ``weight_cache.cache``) are made again, as their version counters changed."""
+    from compile_backend.llama import LlamaConfig, tiny_llama
+
+    dtype = torch.float16 if scheme.startswith("awq") else torch.float32
+    cfg = LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_layers=1)
+    model = quantize_model(tiny_llama(cfg, dtype=dtype), scheme)
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    gen = torch.Generator().manual_seed(2)
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("quantfuse")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    with torch.no_grad():
+        before = compiled(tokens)
+        block = model.layers[0]
+        for layer in (block.attn.q_proj, block.mlp.gate_proj, block.mlp.down_proj):  # merged, merged, alone
+            if isinstance(layer, AWQLinear):
+                layer.qweight.data.copy_(
+                    torch.randint(-(2**31), 2**31 - 1, layer.qweight.shape, generator=gen, dtype=torch.int32)
+                )
+            else:
+                layer.weight.data.copy_(torch.randint(-128, 128, layer.weight.shape, generator=gen, dtype=torch.int8))
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            after = compiled(tokens)
+        want = copy.deepcopy(model)(tokens)
+    assert counter.frame_count == 1
+    assert not torch.equal(after, before)
+    assert _rel_err(after, want) < 5e-2, _rel_err(after, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.compile
+@pytest.mark.parametrize("scheme", ["int8-asym", "awq-g128"])
+def test_compiled_cuda_model_sees_writes_through_data(scheme):
+    """On CUDA the values derived from weights (the column sums of an asymmetric int8 weight, AWQ's
+    repacked layouts) are cached in C++ per weight and version counter: after a write through
+    ``.data`` the compiled model computes what a model built with the new weights computes."""
+    torch.manual_seed(0)
+    model = quantize_model(nn.Sequential(nn.Linear(256, 256)).to("cuda", torch.float16), scheme)
+    layer = model[0]
+    # Positive activations: per-token zero points far from 0, so that the column sums weigh in.
+    # A decode and a prefill shape: the AWQ kernels for each read their own derived layouts.
+    xs = [torch.rand(m, 256, device="cuda", dtype=torch.float16) + 0.5 for m in (4, 64)]
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="quantfuse", options={"fx_graph_cache": False})
+    with torch.no_grad():
+        before = [compiled(x).clone() for x in xs]  # derived values of the old weight made and cached
+        if scheme == "int8-asym":
+            new = torch.randint(-128, 128, layer.weight.shape, dtype=torch.int8, device="cuda")
+            layer.weight.data.copy_(new)
+        else:
+            new, _, _ = quantize_weight_awq(torch.randn(256, 256, device="cuda") * 0.05, layer.group_size)
+            layer.qweight.data.copy_(new)
+        fresh = copy.deepcopy(model)
+        for x, old in zip(xs, before):
+            got, want = compiled(x), fresh(x)
+            assert not torch.equal(got, old)
+            torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
