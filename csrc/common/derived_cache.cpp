@@ -14,6 +14,8 @@
 #include <string>
 #include <thread>
 
+#include "common/check.h"
+
 namespace quantfuse {
 namespace {
 
@@ -193,10 +195,13 @@ void graph_enter(int64_t graph) {
       }
     }
   }
-  TORCH_CHECK(stale.empty(), "quantfuse: this compiled model's CUDA graph was captured reading values derived from ",
-              stale, " (its column sums, repacked or concatenated layout), and that weight has changed since: a "
-              "replay would compute with the old weight.  After changing weights of a model compiled with "
-              "mode=\"reduce-overhead\", call torch._dynamo.reset() and compile it again.");
+  // fail() rather than TORCH_CHECK: see common/check.h.
+  if (!stale.empty())
+    fail("quantfuse: this compiled model's CUDA graph was captured reading values derived from %s (its column "
+         "sums, repacked or concatenated layout), and that weight has changed since: a replay would compute with "
+         "the old weight.  After changing weights of a model compiled with mode=\"reduce-overhead\", call "
+         "torch._dynamo.reset() and compile it again.",
+         stale.c_str());
   t_graph = graph;
 }
 
