@@ -50,7 +50,8 @@ std::string describe(const c10::weak_intrusive_ptr<c10::TensorImpl>& ref) {
   if (!impl) return "a weight that has since been freed";
   std::string text = "a weight of shape [";
   for (int64_t d = 0; d < impl->dim(); ++d) text += (d ? ", " : "") + std::to_string(impl->size(d));
-  return text + "] (" + std::string(c10::toString(impl->dtype())) + ")";
+  // ScalarType's name, not TypeMeta's stream formatting (iostream: see common/check.h).
+  return text + "] (" + c10::toString(impl->dtype().toScalarType()) + ")";
 }
 
 void retire(Entry& e) {
