@@ -36,6 +36,7 @@ read derived values of has changed since it was captured (``captured_graphs.py``
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
@@ -169,11 +170,42 @@ def _split_options(options: dict | None, mode: str | None) -> tuple[dict, dict]:
     return ours, inductor
 
 
+@contextlib.contextmanager
+def _held_as_plain_parameters(gm: torch.fx.GraphModule, example_inputs, config_patches: dict):
+    """Under freezing, torch 2.11's Inductor runs the frozen parameters through FakeTensorMode,
+    which takes an exact ``nn.Parameter`` but no subclass of it: the quantized modules'
+    ``HeldParameter``s are plain ``nn.Parameter``s while the graph compiles (same objects, so
+    the frozen constants are the weights themselves), and ``HeldParameter``s again after."""
+    from torch._inductor import config
+
+    from compile_backend.held_parameter import HeldParameter
+
+    held = []
+    if config_patches.get("freezing", config.freezing):
+        seen = set()
+        for t in [*example_inputs, *gm.parameters()]:
+            if type(t) is HeldParameter and id(t) not in seen:
+                seen.add(id(t))
+                held.append(t)
+    for t in held:
+        t.__class__ = torch.nn.Parameter
+    try:
+        yield
+    finally:
+        for t in held:
+            t.__class__ = HeldParameter
+
+
 def quantfuse(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None, mode: str | None = None):
     """Dynamo backend entry point."""
+    ours, inductor_patches = _split_options(options, mode)
+    with _held_as_plain_parameters(gm, example_inputs, inductor_patches):
+        return _compile(gm, example_inputs, ours, inductor_patches)
+
+
+def _compile(gm: torch.fx.GraphModule, example_inputs, ours: dict, inductor_patches: dict):
     from torch._inductor.compile_fx import compile_fx
 
-    ours, inductor_patches = _split_options(options, mode)
     if not ours["passes"]:
         return compile_fx(gm, example_inputs, config_patches=inductor_patches)
 
