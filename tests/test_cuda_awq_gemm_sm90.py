@@ -116,8 +116,8 @@ def test_each_config(config, dtype):
 
 @needs_sm90
 def test_token_padding_rule():
-    """x is zero-padded to whole token tiles when at least 45% of the last one would be
-    past its end (awq_gemm_sm90_choice.h: padded_tokens), and only then."""
+    """x is copied into a buffer padded to whole token tiles when at least 45% of the last one
+    would be past its end (awq_gemm_sm90_choice.h: padded_tokens), and only then."""
     rows = torch.ops.quantfuse._awq_sm90_rows
     assert [rows(m, 1) for m in (1, 33, 70, 71, 100, 128, 129, 200)] == [128, 128, 128, 71, 100, 128, 256, 200]
     assert [rows(m, c) for m, c in ((129, 3), (140, 3), (141, 2), (300, 2), (1000, 3), (1024, 3))] == [

@@ -79,7 +79,7 @@ inline int choose_config(int64_t M, int64_t N, int64_t K, int group_size, int sm
 // of x is filled by TMA's out-of-bounds zero fill, and on the H100 such tiles cost far more
 // than full ones: 28672 x 4096 took 113 us at M = 33 and 65 at M = 128 (config 1), and
 // 351 us at M = 300 against 162 with x padded to 512 rows (config 2).  So when at least 45%
-// of the last tile would be past the end, the op copies x into a zero-padded buffer of whole
+// of the last tile would be past the end, the op copies x into a padded buffer of whole
 // tiles and returns the first M rows of the result.  Below that fraction the copy measured
 // slower than the zero fill (M = 200 and 1000 on the H100).
 constexpr int64_t padded_tokens(int64_t M, int config) {

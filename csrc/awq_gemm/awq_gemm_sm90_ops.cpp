@@ -191,7 +191,7 @@ int64_t awq_sm90_config(int64_t M, int64_t N, int64_t K, int64_t group_size, int
   return quantfuse::awq_sm90::choose_config(M, N, K, (int)group_size, (int)sm_count);
 }
 
-// The token count a call of M tokens runs at under a configuration (x zero-padded above M).
+// The token count a call of M tokens runs at under a configuration (x copied into a buffer padded above M).
 int64_t awq_sm90_rows(int64_t M, int64_t config) {
   QF_CHECK(M >= 0 && config >= 0 && config < qa::kNumConfigs, "quantfuse awq_sm90: need M >= 0 and config in 0..%d",
            qa::kNumConfigs - 1);
