@@ -66,7 +66,6 @@ from .fx_helpers import (
     Plan,
     Reject,
     bias_add_patterns,
-    is_backward,
     no_alpha,
     register_checked,
     static_shape,
@@ -246,15 +245,8 @@ def _reference(group_size: int):
 
 def _prove(sub: Subgraph, roles: _Roles, K: int, N: int, dtype) -> str | None:
     """None when the subgraph provably computes the AWQ dequantization of ``roles``, else why not."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
     key = (dequant_probe.signature(sub, roles.by_name()), K, N, dtype)
-    if key not in _VERDICTS:
-        if len(_VERDICTS) >= 4096:
-            _VERDICTS.clear()
-        with unset_fake_temporarily():  # the probes are real CPU tensors, also inside a compile's fake mode
-            _VERDICTS[key] = _prove_real(sub, roles, K, N, dtype)
-    return _VERDICTS[key]
+    return dequant_probe.cached(_VERDICTS, key, lambda: _prove_real(sub, roles, K, N, dtype))
 
 
 # signature -> verdict of ``_prove``: a model's layers of one shape are probed once.
@@ -264,50 +256,18 @@ _VERDICTS: dict = {}
 def _prove_real(sub: Subgraph, roles: _Roles, K: int, N: int, dtype) -> str | None:
     C, groups = N // AWQ_PACK, _leaf_shape(roles.qzeros)[0]
     real = {"pack": AWQ_PACK, "C": C, "groups": groups, "G": K // groups}
-    small = SizeMap.shrink(real, fixed={"pack": AWQ_PACK})
-    tried = []
-    for sizes in ([small] if small is not None else []) + [SizeMap.real_sizes(real)]:
-        if sizes.identity and K * N > dequant_probe.REAL_SIZE_LIMIT:
-            tried.append(f"and the weight has more than {dequant_probe.REAL_SIZE_LIMIT} elements")
-            break
+
+    def probes_at(sizes: SizeMap):
         k, c, g = sizes(K), sizes(C), sizes(groups)
-        verdicts = []
-        # Index arithmetic such as ``arange(K) // G`` is read with its literals as sizes, or as values.
-        for map_values in ((False, True) if not sizes.identity else (False,)):
-            try:
-                verdicts.append(dequant_probe.run_probes(sub, roles.by_name(), _probes(sub, k, c, g, dtype),
-                                                         _reference(k // g), sizes, map_values))
-            except dequant_probe.ProbeMismatch as exc:
-                tried.append(str(exc))
-            if verdicts and verdicts[-1] is None:
-                return None
-        if verdicts:
-            return verdicts[0]
-    return f"the weight cannot be evaluated on probes: {'; '.join(tried)}"
+        return _probes(sub, k, c, g, dtype), _reference(k // g)
+
+    return dequant_probe.prove(sub, roles.by_name(), real, probes_at, fixed={"pack": AWQ_PACK})
 
 
 def _check_real_values(sub: Subgraph, roles: _Roles, K: int, groups: int) -> str | None:
     """With qweight, qzeros and scales all graph constants: the subgraph on their real values."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    values = {r: sub.constants.get(n) for r, n in roles.by_name().items()}
-    if any(v is None for v in values.values()):
-        return None
-    with unset_fake_temporarily():
-        return _check_values(sub, roles, K, groups, values)
-
-
-def _check_values(sub: Subgraph, roles: _Roles, K: int, groups: int, values: dict) -> str | None:
-    real = {"K": K}
-    try:
-        got = dequant_probe.evaluate(sub, {roles.by_name()[r]: v.cpu() for r, v in values.items()},
-                                     SizeMap.real_sizes(real))
-    except dequant_probe.ProbeMismatch as exc:
-        return f"the weight cannot be evaluated on its constant values ({exc})"
-    want = _reference(K // groups)(**{r: v.cpu() for r, v in values.items()})
-    if not torch.equal(got, want):
-        return "on the constant qweight, qzeros and scales the weight differs from the AWQ dequantization"
-    return None
+    return dequant_probe.check_constants(sub, roles.by_name(), _reference(K // groups),
+                                         SizeMap.real_sizes({"K": K}), "the AWQ dequantization")
 
 
 # --------------------------------------------------------------------------- the matmul pattern
@@ -343,21 +303,6 @@ def _form(sub: Subgraph) -> str:
     if gathers:
         return "group_index"  # rows gathered by a group index
     return "awq_shift_table"
-
-
-def _check_private(sub: Subgraph, mm: Node, roles: _Roles) -> str | None:
-    """The nodes computing the weight from the roles are used only by each other and the matmul (or a
-    joint graph's backward), and gather by constant indices only."""
-    leaves = list(roles.by_name().values())
-    lookup = sub.data_dependent_gather(leaves)
-    if lookup is not None:
-        return f"{lookup.name} gathers by indices computed from the weight's inputs (a lookup, not a reorder)"
-    inside = set(sub.nodes) | {mm}
-    for n in sub.depending_on(leaves):
-        for user in n.users:
-            if user not in inside and not is_backward(user):
-                return f"the dequantized weight ({n.name}) is also used by {user.name} outside the matmul"
-    return None
 
 
 def _analyze(mm: Node, x: Node, w: Node) -> _Fusion | str | None:
@@ -396,7 +341,7 @@ def _analyze(mm: Node, x: Node, w: Node) -> _Fusion | str | None:
             reasons.append(f"the weight also reads {', '.join(_describe(n) for n in extra)}, "
                            "not only qweight, qzeros and scales")
             continue
-        why = _check_private(sub, mm, roles)
+        why = dequant_probe.private_reason(sub, list(roles.by_name().values()), mm)
         if why is not None:
             return why
         groups = _leaf_shape(roles.qzeros)[0]

@@ -8,11 +8,19 @@ implements.  Instead of listing the ways people write it, a family
    its leaves, through a closed set of ops (``ALLOWED``: elementwise arithmetic,
    shifts and masks, casts, views, reshapes, permutes, expands, slices,
    stacks/cats, gathers by constant indices, factories such as ``arange``);
-   a leaf is a placeholder, a ``get_attr`` or any node outside that set;
-2. names its leaves' roles (the family's business: ``qweight``, ``scales``...);
+   a leaf is a placeholder, a ``get_attr`` or any node outside that set, or a
+   node the family names a leaf (``collect(leaf=...)``: W8A8 stops at its
+   quantized tensor and at the node it reads the scale from);
+2. names its leaves' roles (the family's business: ``qweight``, ``scales``...); a
+   number operand of an elementwise op may play a role too (``Literal``: a scale
+   written as ``* 0.02``);
 3. evaluates the subgraph on probe inputs (``evaluate``: the FX nodes re-run
    with torch on small CPU tensors) and compares each result with its op's
-   reference on the same inputs.
+   reference on the same inputs (``run_probes``, at the sizes ``prove`` picks),
+   once per subgraph signature (``cached``);
+4. checks, when every role is a graph constant, the subgraph on their real
+   values too (``check_constants``), and that nothing outside the matmul reads
+   the dequantized weight (``private_reason``).
 
 Every op in ``ALLOWED`` is deterministic and moves data by sizes and constant
 indices only, so what it computes at one output position depends on fixed
@@ -36,18 +44,30 @@ the small sizes.  Every evaluated node's shape must then be the image of its
 real shape (``ProbeMismatch`` otherwise: a size written some other way, a
 constant tensor of a real size); a family falls back to the real sizes when
 they are small enough (``REAL_SIZE_LIMIT``).
+
+Symbolic sizes (``dynamic=True``).  A quantity whose real value is a symbol
+(``s0``) gets a small value of its own, distinct from every other quantity's and
+from every int literal of the subgraph, so no literal can stand for it by
+accident; the graph then holds the symbol, not a literal, wherever it uses the
+size (as a node feeding the size argument, evaluated at the small value), and
+node shapes are the symbolic shapes at the small values.  The subgraph computes
+the same function of the symbols at any value, so the small one decides it.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+import math
 import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+import sympy
 import torch
 from torch.fx import Node
+
+from .fx_helpers import is_backward
 
 aten, prims = torch.ops.aten, torch.ops.prims
 
@@ -83,6 +103,7 @@ ALLOWED = ELEMENTWISE | CASTS | LAYOUT | GATHERS | FACTORIES
 MAX_NODES = 256  # a dequantization is a few dozen ops; a larger subgraph is not one
 REAL_SIZE_LIMIT = 1 << 20  # elements of the weight up to which a probe may run at the real sizes
 CONSTANT_LIMIT = 1 << 22  # elements of a get_attr constant read for a probe
+VERDICT_LIMIT = 4096  # verdicts a family's cache keeps before it starts over
 
 
 class ProbeMismatch(Exception):
@@ -90,6 +111,26 @@ class ProbeMismatch(Exception):
 
 
 # --------------------------------------------------------------------------- the subgraph
+
+
+@dataclass(frozen=True)
+class Literal:
+    """A number operand of an elementwise node (``node.args[index]``), which a family may feed as a role."""
+
+    node: Node
+    index: int
+
+    @property
+    def value(self):
+        return self.node.args[self.index]
+
+    @property
+    def name(self) -> str:
+        return f"{self.value!r} (in {self.node.name})"
+
+
+def _is_size(v) -> bool:
+    return isinstance(v, (int, torch.SymInt)) and not isinstance(v, bool)
 
 
 @dataclass
@@ -104,12 +145,13 @@ class Subgraph:
 
     def depending_on(self, leaves) -> set[Node]:
         """Interior nodes whose value depends on one of ``leaves`` (a get_attr leaf stands for every
-        node reading the same attribute)."""
-        targets = {n.target for n in leaves if n.op == "get_attr"}
-        dep: set[Node] = set(leaves) | {n for n in self.constants if n.target in targets}
+        node reading the same attribute; a ``Literal`` for its node)."""
+        targets = {n.target for n in leaves if isinstance(n, Node) and n.op == "get_attr"}
+        dep: set[Node] = {n for n in leaves if isinstance(n, Node)} | {n for n in self.constants if n.target in targets}
+        literal_nodes = {lit.node for lit in leaves if isinstance(lit, Literal)}
         interior = set()
         for n in self.nodes:
-            if any(a in dep for a in n.all_input_nodes):
+            if n in literal_nodes or any(a in dep for a in n.all_input_nodes):
                 dep.add(n)
                 interior.add(n)
         return interior
@@ -119,8 +161,31 @@ class Subgraph:
         """Interior nodes whose value depends on an input (the others are constants)."""
         return self.depending_on(self.inputs)
 
+    @property
+    def tensor_inputs(self) -> list[Node]:
+        """The inputs that are tensors: the others are sizes (symbols of dynamic shapes), which
+        ``evaluate`` gives their small values itself."""
+        return [n for n in self.inputs if not _is_size(n.meta.get("val"))]
+
     def targets(self) -> set:
         return {n.target for n in self.nodes}
+
+    def literals(self, nodes=None) -> list[Literal]:
+        """The float number operands of the elementwise ops among ``nodes`` (default: all)."""
+        return [Literal(n, i) for n in (self.nodes if nodes is None else nodes) if n.target in ELEMENTWISE
+                for i, a in enumerate(n.args) if type(a) is float]
+
+    def int_literals(self) -> set[int]:
+        found: set[int] = set()
+
+        def visit(a):
+            if type(a) is int:
+                found.add(a)
+            return a
+
+        for n in self.nodes:
+            torch.fx.node.map_aggregate((n.args, dict(n.kwargs)), visit)
+        return found
 
     def data_dependent_gather(self, leaves=None) -> Node | None:
         """A gather whose indices depend on one of ``leaves`` (default: the inputs): a lookup by value,
@@ -148,8 +213,11 @@ def _real_constant(node: Node) -> torch.Tensor | None:
         return obj.detach()
 
 
-def collect(root: Node, max_nodes: int = MAX_NODES) -> Subgraph | str:
-    """The subgraph computing ``root`` from its leaves through ``ALLOWED`` ops, or why there is none."""
+def collect(root: Node, max_nodes: int = MAX_NODES, leaf: Callable[[Node], bool] | None = None) -> Subgraph | str:
+    """The subgraph computing ``root`` from its leaves through ``ALLOWED`` ops, or why there is none.
+
+    ``leaf``: nodes to take as leaves although their op is allowed (``root`` itself never is one).
+    """
     order: list[Node] = []
     inputs: list[Node] = []
     constants: dict[Node, torch.Tensor] = {}
@@ -163,7 +231,8 @@ def collect(root: Node, max_nodes: int = MAX_NODES) -> Subgraph | str:
         if node in seen:
             continue
         seen.add(node)
-        if node.op == "call_function" and node.target in ALLOWED:
+        interior = node.op == "call_function" and node.target in ALLOWED
+        if interior and (node is root or leaf is None or not leaf(node)):
             if len(order) + len(stack) > max_nodes:
                 return f"the weight is computed by more than {max_nodes} ops"
             stack.append((node, True))
@@ -175,6 +244,21 @@ def collect(root: Node, max_nodes: int = MAX_NODES) -> Subgraph | str:
     if root not in order:
         return "the weight is not computed in the graph"
     return Subgraph(root, order, inputs, constants)
+
+
+def private_reason(sub: Subgraph, leaves, consumer: Node) -> str | None:
+    """Why the nodes computing the weight from ``leaves`` are not the matmul's own, or None: each is used
+    only by the subgraph and ``consumer`` (or a joint graph's backward), and gathers by constant
+    indices only.  A forward user elsewhere would keep the dequantization alive next to the fused op."""
+    lookup = sub.data_dependent_gather(leaves)
+    if lookup is not None:
+        return f"{lookup.name} gathers by indices computed from the weight's inputs (a lookup, not a reorder)"
+    inside = set(sub.nodes) | {consumer}
+    for n in sub.depending_on(leaves):
+        for user in n.users:
+            if user not in inside and not is_backward(user):
+                return f"the dequantized weight ({n.name}) is also used by {user.name} outside the matmul"
+    return None
 
 
 # --------------------------------------------------------------------------- small sizes
@@ -194,20 +278,38 @@ def _equalities(monos, values) -> tuple:
     return tuple(prods.index(p) for p in prods)
 
 
-class SizeMap:
-    """Real size -> small size, for shapes made of products of named quantities (see the module doc)."""
+def _symbol(v):
+    """The sympy symbol a symbolic size is, or None (a compound expression)."""
+    expr = v.node.expr
+    return expr if expr.is_Symbol else None
 
-    def __init__(self, real: Mapping[str, int], small: Mapping[str, int]):
+
+class SizeMap:
+    """Real size -> small size, for shapes made of products of named quantities (see the module doc).
+
+    Static quantities map as literal ints; symbolic ones (``torch.SymInt``) through their symbols.
+    """
+
+    def __init__(self, real: Mapping[str, int | torch.SymInt], small: Mapping[str, int]):
         self.real, self.small = dict(real), dict(small)
+        static = {n: v for n, v in self.real.items() if type(v) is int}
         self._map = {}
-        for m in _monomials(self.real):
-            self._map.setdefault(_product(m, self.real), _product(m, self.small))
+        for m in _monomials(static):
+            self._map.setdefault(_product(m, static), _product(m, self.small))
+        self._subs = {_symbol(v): sympy.Integer(self.small[n]) for n, v in self.real.items() if type(v) is not int}
 
     def __call__(self, v):
-        return self._map.get(v, v) if type(v) is int else v
+        if type(v) is int:
+            return self._map.get(v, v)
+        if isinstance(v, torch.SymInt):
+            expr = v.node.expr.xreplace(self._subs)
+            if not expr.is_Integer:
+                raise ProbeMismatch(f"the size {v} is not made of the weight's sizes")
+            return int(expr)
+        return v
 
     def shape(self, shape) -> tuple:
-        return tuple(self(int(s)) for s in shape)
+        return tuple(self(s) if isinstance(s, torch.SymInt) else self(int(s)) for s in shape)
 
     @property
     def identity(self) -> bool:
@@ -218,14 +320,38 @@ class SizeMap:
         return SizeMap(real, real)
 
     @staticmethod
-    def shrink(real: Mapping[str, int], fixed: Mapping[str, int] = ()) -> SizeMap | None:
+    def shrink(real: Mapping[str, int | torch.SymInt], fixed: Mapping[str, int] = (), avoid=(),
+               at_least: int = 1) -> SizeMap | None:
         """Small values for the names of ``real`` (``fixed`` ones keep theirs) that keep every
-        equality between products of the names, the smallest product first; None if there is none."""
-        return _shrink(tuple(sorted(real.items())), tuple(sorted(dict(fixed).items())))
+        equality between products of the static names, the smallest product (of all names, at least
+        ``at_least`` when there is one) first; a symbolic name gets a value of its own, none of the
+        static values or products, of the other symbols' or of ``avoid`` (the subgraph's int
+        literals).  None if there is none."""
+        static = {n: v for n, v in real.items() if type(v) is int}
+        symbolic = {n: v for n, v in real.items() if type(v) is not int}
+        if any(_symbol(v) is None for v in symbolic.values()):
+            return None
+        small: dict[str, int] = {}
+        if static:
+            found = _shrink(tuple(sorted(static.items())), tuple(sorted(dict(fixed).items())),
+                            1 if symbolic else at_least)
+            if found is None:
+                return None
+            small = dict(found.small)
+        taken = set(avoid) | {_product(m, static) for m in _monomials(static)} | \
+            {_product(m, small) for m in _monomials(small)}
+        start = max(2, math.ceil(at_least ** (1 / len(real))))
+        by_symbol: dict = {}
+        for name, v in sorted(symbolic.items()):
+            if _symbol(v) not in by_symbol:
+                by_symbol[_symbol(v)] = next(c for c in itertools.count(start) if c not in taken)
+                taken.add(by_symbol[_symbol(v)])
+            small[name] = by_symbol[_symbol(v)]
+        return SizeMap(real, small)
 
 
 @functools.lru_cache(maxsize=256)
-def _shrink(real_items, fixed_items, bounds=(4, 8, 16, 32, 64)) -> SizeMap | None:
+def _shrink(real_items, fixed_items, at_least=1, bounds=(4, 8, 16, 32, 64)) -> SizeMap | None:
     real, fixed = dict(real_items), dict(fixed_items)
     monos = _monomials(real)
     want = _equalities(monos, real)
@@ -239,7 +365,7 @@ def _shrink(real_items, fixed_items, bounds=(4, 8, 16, 32, 64)) -> SizeMap | Non
         for combo in itertools.product(*ranges):
             small = {**fixed, **dict(zip(free, combo))}
             size = _product(tuple(small), small)
-            if (best is None or size < best[0]) and _equalities(monos, small) == want:
+            if size >= at_least and (best is None or size < best[0]) and _equalities(monos, small) == want:
                 best = (size, small)
         if best is not None:
             return SizeMap(real, best[1])
@@ -261,9 +387,9 @@ def _resize_args(node: Node, args: list, kwargs: dict, sizes: SizeMap) -> tuple[
     target = node.target
     if target in (aten.arange.default, aten.arange.start, aten.arange.start_step, prims.iota.default):
         # An index range: resized by its length (a shift table arange(0, 32, 4) keeps its 8 entries).
-        length = int(node.meta["val"].shape[0])
+        length = node.meta["val"].shape[0]
         small = sizes(length)
-        if small == length:
+        if type(length) is int and small == length:
             return args, kwargs
         if target is prims.iota.default:
             if kwargs.get("start", 0) != 0 or kwargs.get("step", 1) != 1:
@@ -289,10 +415,11 @@ def _cpu(v):
     return torch.device("cpu") if isinstance(v, torch.device) else v
 
 
-def evaluate(sub: Subgraph, feeds: Mapping[Node, torch.Tensor], sizes: SizeMap,
+def evaluate(sub: Subgraph, feeds: Mapping[Node | Literal, torch.Tensor | float], sizes: SizeMap,
              map_values: bool = False) -> torch.Tensor:
-    """``sub.root`` computed from ``feeds`` (a value for every input and for any constant to replace)
-    on CPU, with the size arguments mapped by ``sizes``.  ``map_values``: integer operands of the
+    """``sub.root`` computed from ``feeds`` (a value for every tensor input, for any constant to replace
+    and for any ``Literal`` to replace by a number) on CPU, with the size arguments mapped by ``sizes``.
+    Inputs that are sizes (symbols) get their small values.  ``map_values``: integer operands of the
     elementwise ops of index computations (nodes that depend on no fed value, e.g. the ``// G`` of
     ``arange(K) // G``) are mapped too.
 
@@ -303,10 +430,18 @@ def evaluate(sub: Subgraph, feeds: Mapping[Node, torch.Tensor], sizes: SizeMap,
 
     env: dict[Node, torch.Tensor] = {}
     variable = sub.depending_on(list(feeds)) if map_values else set()
+    literals: dict[tuple[Node, int], float] = {(k.node, k.index): v for k, v in feeds.items()
+                                               if isinstance(k, Literal)}
     for n in sub.inputs:
-        env[n] = feeds[n]
+        v = n.meta.get("val")
+        if n in feeds:
+            env[n] = feeds[n]
+        elif _is_size(v):
+            env[n] = sizes(v)
+        else:
+            raise ProbeMismatch(f"no probe value for {n.name}")
     # A constant fed as a role is fed wherever the graph reads it (get_attr nodes of one target).
-    fed = {n.target: v for n, v in feeds.items() if n.op == "get_attr"}
+    fed = {n.target: v for n, v in feeds.items() if isinstance(n, Node) and n.op == "get_attr"}
     for n, c in sub.constants.items():
         if n.target not in fed and sizes.shape(c.shape) != tuple(c.shape):
             raise ProbeMismatch(f"the constant {n.name} has a size of the weight")
@@ -316,26 +451,30 @@ def evaluate(sub: Subgraph, feeds: Mapping[Node, torch.Tensor], sizes: SizeMap,
         return env[a] if isinstance(a, Node) else _cpu(a)
 
     with unset_fake_temporarily(), torch.no_grad():
-        env.update({n: v.cpu() for n, v in env.items()})
+        env.update({n: v.cpu() for n, v in env.items() if isinstance(v, torch.Tensor)})
         for n in sub.nodes:
             expected = n.meta.get("val")
-            if not isinstance(expected, torch.Tensor) or any(type(s) is not int for s in expected.shape):
-                raise ProbeMismatch(f"{n.name} has no static tensor metadata")
+            if not isinstance(expected, torch.Tensor):
+                raise ProbeMismatch(f"{n.name} has no tensor metadata")
+            want_shape = sizes.shape(expected.shape)
             args = list(torch.fx.node.map_aggregate(n.args, arg))
             kwargs = dict(torch.fx.node.map_aggregate(dict(n.kwargs), arg))
             if not sizes.identity:
                 args, kwargs = _resize_args(n, args, kwargs, sizes)
                 if map_values and n.target in ELEMENTWISE and n not in variable:
                     args = [sizes(a) for a in args]
+            for (node, index), value in literals.items():
+                if node is n:
+                    args[index] = value
             try:
                 out = n.target(*args, **kwargs)
             except Exception as exc:  # an op that cannot run on the probe's sizes
                 raise ProbeMismatch(f"{n.name}: {type(exc).__name__}: {exc}") from None
             if not isinstance(out, torch.Tensor):
                 raise ProbeMismatch(f"{n.name} does not compute a tensor")
-            if out.dtype != expected.dtype or tuple(out.shape) != sizes.shape(expected.shape):
+            if out.dtype != expected.dtype or tuple(out.shape) != want_shape:
                 raise ProbeMismatch(f"{n.name} computes {out.dtype}{list(out.shape)} at the probe's sizes, "
-                                    f"not {expected.dtype}{list(sizes.shape(expected.shape))}")
+                                    f"not {expected.dtype}{list(want_shape)}")
             env[n] = out
     return env[sub.root]
 
@@ -345,14 +484,14 @@ class Probe:
     """One probe: the inputs by role, and what a mismatch on it says."""
 
     name: str
-    inputs: Mapping[str, torch.Tensor]
+    inputs: Mapping[str, torch.Tensor | float]
     explain: Callable[[torch.Tensor, torch.Tensor], str]  # (got, expected) -> reason
 
 
-def run_probes(sub: Subgraph, roles: Mapping[str, Node], probes, reference: Callable[..., torch.Tensor],
+def run_probes(sub: Subgraph, roles: Mapping[str, Node | Literal], probes, reference: Callable[..., torch.Tensor],
                sizes: SizeMap, map_values: bool = False) -> str | None:
-    """Evaluate ``sub`` on each probe (``roles``: role name -> leaf node); None if every result equals
-    ``reference(**probe.inputs)`` exactly, else the first failing probe's explanation.
+    """Evaluate ``sub`` on each probe (``roles``: role name -> leaf node or literal); None if every result
+    equals ``reference(**probe.inputs)`` exactly, else the first failing probe's explanation.
 
     Raises ``ProbeMismatch`` when the subgraph cannot be evaluated at ``sizes``.
     """
@@ -367,12 +506,87 @@ def run_probes(sub: Subgraph, roles: Mapping[str, Node], probes, reference: Call
     return None
 
 
+def prove(sub: Subgraph, roles: Mapping[str, Node | Literal], real: Mapping[str, int | torch.SymInt],
+          probes_at: Callable[[SizeMap], tuple[list[Probe], Callable[..., torch.Tensor]]],
+          fixed: Mapping[str, int] = (), at_least: int = 1) -> str | None:
+    """None when ``sub`` passes every probe of ``probes_at(sizes)`` (the probes and their reference at
+    ``sizes``), else why not.  ``real``: the quantities the weight's shapes are made of (their product is
+    the weight's size).  Tried at small sizes first (a weight of at least ``at_least`` elements where the
+    real one has as many; integer literals of index arithmetic read as sizes, then as values), then at
+    the real sizes when the weight is static and at most ``REAL_SIZE_LIMIT`` elements."""
+    small = SizeMap.shrink(real, fixed, avoid=sub.int_literals(), at_least=at_least)
+    static = all(type(v) is int for v in real.values())
+    tried = [] if small is not None or not static else ["its sizes have no small image"]
+    attempts = ([small] if small is not None else []) + ([SizeMap.real_sizes(real)] if static else [])
+    for sizes in attempts:
+        if sizes.identity and math.prod(real.values()) > REAL_SIZE_LIMIT:
+            tried.append(f"and the weight has more than {REAL_SIZE_LIMIT} elements")
+            break
+        probes, reference = probes_at(sizes)
+        verdicts = []
+        # Index arithmetic such as ``arange(K) // G`` is read with its literals as sizes, or as values.
+        for map_values in ((False, True) if not sizes.identity else (False,)):
+            try:
+                verdicts.append(run_probes(sub, roles, probes, reference, sizes, map_values))
+            except ProbeMismatch as exc:
+                tried.append(str(exc))
+            if verdicts and verdicts[-1] is None:
+                return None
+        if verdicts:
+            return verdicts[0]
+    return f"the weight cannot be evaluated on probes: {'; '.join(tried) or 'its sizes are symbolic expressions'}"
+
+
+def cached(cache: dict, key, decide: Callable[[], str | None]) -> str | None:
+    """``decide()`` once per ``key`` (a family's verdict cache: a model's layers of one shape share a
+    subgraph signature and are probed once), run outside any fake mode: the probes are real CPU
+    tensors, also inside a compile."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    if key not in cache:
+        if len(cache) >= VERDICT_LIMIT:
+            cache.clear()
+        with unset_fake_temporarily():
+            cache[key] = decide()
+    return cache[key]
+
+
+def _names(roles) -> str:
+    names = list(roles)
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def check_constants(sub: Subgraph, roles: Mapping[str, Node | Literal], reference: Callable[..., torch.Tensor],
+                    sizes: SizeMap, what: str) -> str | None:
+    """When every role is a graph constant (a ``get_attr`` with a real value, or a number): None if the
+    subgraph computes ``reference`` exactly on their real values at the real ``sizes``, else why not.
+    None also when some role is not a constant (nothing to check)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    values = {r: (n.value if isinstance(n, Literal) else sub.constants.get(n)) for r, n in roles.items()}
+    if any(v is None for v in values.values()):
+        return None
+    with unset_fake_temporarily():
+        values = {r: (v.cpu() if isinstance(v, torch.Tensor) else v) for r, v in values.items()}
+        try:
+            got = evaluate(sub, {roles[r]: v for r, v in values.items()}, sizes)
+        except ProbeMismatch as exc:
+            return f"the weight cannot be evaluated on its constant values ({exc})"
+        if not torch.equal(got, reference(**values)):
+            return f"on the constant {_names(roles)} the weight differs from {what}"
+    return None
+
+
 def _hashable(v):
     if isinstance(v, (list, tuple)):
         return tuple(_hashable(x) for x in v)
     if isinstance(v, dict):
         return tuple(sorted((k, _hashable(x)) for k, x in v.items()))
     return v if isinstance(v, (int, float, bool, str, type(None), torch.dtype, torch.device)) else str(v)
+
+
+def _dims(v) -> tuple:
+    return tuple(s if type(s) is int else str(s) for s in getattr(v, "shape", ()))
 
 
 def _content(t: torch.Tensor):
@@ -383,12 +597,13 @@ def _content(t: torch.Tensor):
         return tuple(flat.tolist()) if flat.numel() <= 64 else hash(bytes(flat.view(torch.uint8).numpy()))
 
 
-def signature(sub: Subgraph, roles: Mapping[str, Node]) -> tuple:
+def signature(sub: Subgraph, roles: Mapping[str, Node | Literal]) -> tuple:
     """What evaluating ``sub`` on probes for ``roles`` depends on: its ops with their arguments, dtypes and
-    shapes, which leaf plays which role, and the values of its other constants.  Subgraphs with equal
-    signatures compute equal results on equal probes (a model's layers of one shape share one)."""
-    role_of = {n: r for r, n in roles.items()}
+    shapes, which leaf (or literal) plays which role, and the values of its other constants.  Subgraphs with
+    equal signatures compute equal results on equal probes (a model's layers of one shape share one)."""
+    role_of = {n: r for r, n in roles.items() if isinstance(n, Node)}
     role_of_target = {n.target: r for n, r in role_of.items() if n.op == "get_attr"}
+    role_of_literal = {(lit.node, lit.index): r for r, lit in roles.items() if isinstance(lit, Literal)}
     index: dict[Node, tuple] = {}
     for i, n in enumerate(sub.inputs):
         index[n] = ("input", role_of.get(n, i))
@@ -397,12 +612,16 @@ def signature(sub: Subgraph, roles: Mapping[str, Node]) -> tuple:
         index[n] = ("input", role) if role else ("constant", c.dtype, tuple(c.shape), _content(c))
     parts = []
     for i, n in enumerate(sub.nodes):
-        args = torch.fx.node.map_aggregate((n.args, dict(n.kwargs)), lambda a: index[a] if isinstance(a, Node) else a)
+        node_args = [("input", role_of_literal[(n, j)]) if (n, j) in role_of_literal else a
+                     for j, a in enumerate(n.args)]
+        args = torch.fx.node.map_aggregate((node_args, dict(n.kwargs)),
+                                           lambda a: index[a] if isinstance(a, Node) else a)
         v = n.meta.get("val")
-        parts.append((str(n.target), _hashable(args), getattr(v, "dtype", None), tuple(getattr(v, "shape", ()))))
+        parts.append((str(n.target), _hashable(args), getattr(v, "dtype", None), _dims(v)))
         index[n] = ("node", i)
-    leaves = tuple((index[n], getattr(n.meta.get("val"), "dtype", None), tuple(getattr(n.meta.get("val"), "shape", ())))
-                   for n in [*sub.inputs, *roles.values()])
+    leaves = tuple(("literal", r) if isinstance(n, Literal) else
+                   (index[n], getattr(n.meta.get("val"), "dtype", None), _dims(n.meta.get("val")))
+                   for r, n in [*((None, n) for n in sub.inputs), *roles.items()])
     return tuple(parts), leaves
 
 

@@ -12,7 +12,7 @@ two families need lives here, once:
   reason of a failed check on the matmul for the report;
 * the W8A8 dequantize-then-matmul pieces ``scaled_mm`` and ``scaled_mm_azp``
   are both generated from (pattern builders, scale-granularity checks,
-  ``check_dequant_matmul``);
+  ``check_dequant_matmul``, whose weight operand ``scaled_weight`` decides);
 * the epilogue rules that fold ``+ bias``, ``.to(dt)`` and views between them
   into a W8A8 op (``register_epilogue_rules``).
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch._inductor.pattern_matcher import (
@@ -40,6 +41,9 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from compile_backend.ops import OUT_DTYPES, W8A8_INPUT_DTYPES
 
 from . import report
+
+if TYPE_CHECKING:
+    from .scaled_weight import ScaledWeight
 
 aten, prims = torch.ops.aten, torch.ops.prims
 CONVERT = prims.convert_element_type.default
@@ -97,7 +101,7 @@ def is_scalar_like(s) -> bool:
 # dequantized weight, and a scale computed from ``x`` gets
 # ``sum(grad_x_dq * q)`` reading the quantized activation.  A family therefore
 # fuses only the forward: its patterns accept extra users of the dequantization
-# nodes when those users are backward nodes (``check_private``), the fused op
+# nodes when those users are backward nodes (``dequant_probe.private_reason``), the fused op
 # replaces the forward matmul, and the backward keeps reading the dequantization
 # nodes, which the partitioner then computes in the backward graph.  Gradients
 # are eager's, computed by eager's formulas.
@@ -117,20 +121,6 @@ def is_backward(node) -> bool:
     if meta.get("partitioner_tag") == "is_backward" or meta.get("autograd_backward"):
         return True
     return node.op == "placeholder" and str(node.target).startswith("tangents")
-
-
-def check_private(match: Match, nodes, what: str) -> None:
-    """Every node of ``nodes`` (part of ``match``) is used only inside the match or by the backward.
-
-    A forward user outside the match would keep the dequantization alive next to
-    the fused op (e.g. a dequantized weight that is also returned): fusing would
-    add work instead of removing it, so the candidate is left alone.
-    """
-    inside = set(match.nodes)
-    for node in nodes:
-        for user in node.users:
-            require(user in inside or is_backward(user),
-                    f"{what} ({node.name}) is also used by {user.name} outside the matmul")
 
 
 # --------------------------------------------------------------------------- checks
@@ -257,17 +247,6 @@ def activation_scale_kind(s, a) -> str:
     return "per-token"
 
 
-def weight_scale_kind(s, w) -> str:
-    """``scale_b`` multiplying the weight ``w`` ``[N, K]``: per-tensor or per-channel ``[N, 1]``."""
-    check_scale_dtype("weight scale", s)
-    if is_scalar_like(s):
-        return "per-tensor"
-    ok = s.dim() == 2 and known(s.shape[0] == w.shape[0]) and known(s.shape[1] == 1)
-    require(ok, f"weight scale of shape {shape_str(s)} is neither per-tensor nor per-channel "
-                f"([N, 1]) for a weight of shape {shape_str(w)}")
-    return "per-channel"
-
-
 def bias_ok(bias, n, out_dtype, ndim=2, upcast=False) -> bool:
     """``bias`` broadcasts as a per-channel row over an output ``[..., N]`` of ``out_dtype``.
 
@@ -326,35 +305,26 @@ def activation_dequant(zero_point: bool) -> Iterator[tuple[PatternExpr, bool]]:
         yield CallFunction(VIEWS, deq, Ignored(), _users=MULTIPLE), True
 
 
-def weight_dequant_t() -> Iterator[PatternExpr]:
-    """``(w.to(dt) * scale_b).t()`` (``t`` decomposes to ``permute([1, 0])``).
-
-    Its nodes may have other users in the pattern's eyes; ``check_dequant_matmul``
-    allows only backward ones (``check_private``).
-    """
-    w = CallFunction(CONVERT, KeywordArg("w"), KeywordArg("w_dt"), _users=MULTIPLE)
-    for deq in mul_either(w, KeywordArg("scale_b"), users=MULTIPLE):
-        yield CallFunction(aten.permute.default, deq, [1, 0], _users=MULTIPLE)
-
-
 def dequant_matmul_patterns(zero_point: bool) -> Iterator[tuple[str, PatternExpr]]:
-    """Every (form, pattern) of form 2b (2c with ``zero_point``)."""
+    """Every (form, pattern) of form 2b (2c with ``zero_point``): the dequantized activation into
+    ``mm`` / ``addmm`` with any weight operand (``w_deq``), which ``check_dequant_matmul`` has probed."""
     for act, viewed in activation_dequant(zero_point):
-        for wt in weight_dequant_t():
-            yield "dequant-mm" + ("-3d" if viewed else ""), CallFunction(aten.mm.default, act, wt)
-            yield ("dequant-addmm" + ("-3d" if viewed else ""),
-                   CallFunction(aten.addmm.default, KeywordArg("bias"), act, wt))
+        w = KeywordArg("w_deq")
+        yield "dequant-mm" + ("-3d" if viewed else ""), CallFunction(aten.mm.default, act, w)
+        yield ("dequant-addmm" + ("-3d" if viewed else ""),
+               CallFunction(aten.addmm.default, KeywordArg("bias"), act, w))
 
 
-def check_quantized_pair(a, w, a_dt, w_dt, *, zero_point: bool) -> None:
+def check_quantized_pair(a, a_dt, weight: ScaledWeight | str, *, zero_point: bool) -> None:
+    """The activation ``a`` (dequantized to ``a_dt``) and, when the probe proved one, the quantized weight."""
     require(isinstance(a, torch.Tensor) and a.dtype in W8A8_INPUT_DTYPES,
             f"activation has dtype {getattr(a, 'dtype', a)}; expected int8 or float8_e4m3fn")
-    require(isinstance(w, torch.Tensor) and w.dtype == a.dtype,
-            f"weight has dtype {getattr(w, 'dtype', w)}; expected the activation's {a.dtype}")
-    require(w.dim() == 2 and known(w.shape[1] == a.shape[-1]),
-            f"weight of shape {shape_str(w)} does not match activation of shape {shape_str(a)}")
-    require(a_dt == w_dt and a_dt in OUT_DTYPES,
-            f"dequantized to {a_dt} / {w_dt}; expected one of float16, bfloat16, float32")
+    if not isinstance(weight, str):
+        w = val(weight.q)
+        require(w.dtype == a.dtype, f"weight has dtype {w.dtype}; expected the activation's {a.dtype}")
+        require(known(w.shape[1] == a.shape[-1]),
+                f"weight of shape {shape_str(w)} does not match activation of shape {shape_str(a)}")
+    require(a_dt in OUT_DTYPES, f"activation dequantized to {a_dt}; expected one of float16, bfloat16, float32")
     if zero_point:
         require(a.dtype == torch.int8, "a zero point needs int8 activations")
 
@@ -364,21 +334,14 @@ class DequantMatmul:
     """What the checks of a dequant-then-matmul match established."""
 
     a: torch.Tensor
-    w: torch.Tensor
+    weight: ScaledWeight  # the quantized [N, K] weight and its scale
     out_dtype: torch.dtype
     sa_kind: str
-    sb_kind: str
     bias: Node | None
 
-
-def weight_side(match: Match) -> list[Node]:
-    """The nodes of a dequant-then-matmul match from the weight to the matmul: ``.t()``, ``*``, ``.to``."""
-    inside, nodes = set(match.nodes), []
-    node = match.output_node().args[-1]
-    while isinstance(node, Node) and node in inside:
-        nodes.append(node)
-        node = next((a for a in node.args if isinstance(a, Node) and a in inside), None)
-    return nodes
+    @property
+    def sb_kind(self) -> str:
+        return self.weight.kind
 
 
 def check_view(match: Match, a, viewed: bool) -> None:
@@ -391,10 +354,18 @@ def check_view(match: Match, a, viewed: bool) -> None:
             f"({shape_str(a)})")
 
 
-def check_dequant_matmul(match: Match, *, viewed: bool, zero_point: bool) -> DequantMatmul:
+def check_dequant_matmul(match: Match, *, viewed: bool, zero_point: bool) -> DequantMatmul | None:
+    """The checks of a dequant-then-matmul match; None when its weight operand is no dequantization of a
+    quantized tensor (no W8A8 candidate)."""
+    from .scaled_weight import analyze  # scaled_weight reads this module's helpers
+
     kw = match.kwargs
-    a, w = val(kw["a"]), val(kw["w"])
-    check_quantized_pair(a, w, kw["a_dt"], kw["w_dt"], zero_point=zero_point)
+    mm = matmul_node(match)
+    weight = analyze(kw["w_deq"], mm, W8A8_INPUT_DTYPES)
+    if weight is None:
+        return None
+    a = val(kw["a"])
+    check_quantized_pair(a, kw["a_dt"], weight, zero_point=zero_point)
     # The op returns what the source's matmul returns.  Type promotion decides that, not
     # the casts: ``a.to(float16) * scale_f32`` (a [M, 1] scale) is float32, and so is the
     # matmul of it.  The int8/fp8 -> dt casts are exact, so the float32 epilogue computes
@@ -404,14 +375,16 @@ def check_dequant_matmul(match: Match, *, viewed: bool, zero_point: bool) -> Deq
             f"the matmul computes in {getattr(out, 'dtype', None)}; expected float16, bfloat16 or float32")
     out_dtype = out.dtype
     sa_kind = activation_scale_kind(val(kw["scale_a"]), a)
-    sb_kind = weight_scale_kind(val(kw["scale_b"]), w)
     check_view(match, a, viewed)
-    check_private(match, weight_side(match), "the dequantized weight")
+    require(not isinstance(weight, str), weight)
+    w = val(weight.q)
+    if weight.scale is not None:
+        check_scale_dtype("weight scale", val(weight.scale))
     bias = kw.get("bias")
     if bias is not None:
         require(bias_ok(val(bias), w.shape[0], out_dtype),
                 f"addmm input of shape {shape_str(val(bias))} is not a per-channel bias in {out_dtype}")
-    return DequantMatmul(a, w, out_dtype, sa_kind, sb_kind, bias)
+    return DequantMatmul(a, weight, out_dtype, sa_kind, bias)
 
 
 # --------------------------------------------------------------------------- W8A8 epilogue absorption

@@ -20,10 +20,15 @@ written out:
       between the scales changes the meaning and is not fused.
     A scale may be ``expand``-ed to the product's shape (torchao on CUDA).
 2b. dequantize-then-matmul, int8 and float8_e4m3fn:
-    ``(a.to(dt) * s_a)`` [viewed to 2-D] and ``(w.to(dt) * s_b).t()`` into
-    ``mm`` / ``addmm`` (what ``F.linear``, ``x @ w.t()``, ``torch.mm`` and
-    ``torch.matmul`` decompose to), with ``dt`` float32 (``W8A8Linear``),
-    bfloat16 or float16.
+    ``(a.to(dt) * s_a)`` [viewed to 2-D] into ``mm`` / ``addmm`` (what
+    ``F.linear``, ``x @ w.t()``, ``torch.mm`` and ``torch.matmul`` decompose
+    to), with ``dt`` float32 (``W8A8Linear``), bfloat16 or float16, times any
+    weight operand that computes ``w.t() * s_b``, the product rounded once to
+    the weight's dtype: ``passes/scaled_weight.py`` decides by evaluating it on
+    probes (``(w.to(dt) * s_b[:, None]).t()``, ``w.to(dt).t() * s_b``, an
+    expanded or reshaped scale, a Python number, the cast left to type
+    promotion, ...); the op reads ``w`` through ``.t()`` and the scale from the
+    node the probe named.
 2d. ``torch._scaled_mm(a, b, scale_a, scale_b, bias, None, out_dtype)`` (float8_e4m3fn,
     per-tensor or row-wise scales; torchao's ``Float8DynamicActivationFloat8WeightConfig``
     calls it): the same product as the op.  Replaced on CPU and on Hopper, where
@@ -42,9 +47,9 @@ a view between the op and its epilogue (3-D activations: ``mm`` →
 keeps the math: the op computes its epilogue in float32 and rounds once.
 
 Not matched (reported as unfused candidates): a weight stored already
-transposed (``x @ w_kn.float() * s``): the op's kernels read ``b`` as the
-column-major transpose of a row-major ``[N, K]`` weight, and making one would
-copy the weight per call.
+transposed (``x @ w_kn.float() * s``, an int8 ``[K, N]`` tensor): the op's
+kernels read ``b`` as the column-major transpose of a row-major ``[N, K]``
+weight, and making one would copy the weight per call.
 
 Checks (a candidate failing one is left alone, and the reason is remembered on
 its matmul node for the report): quantized dtypes (int8 / float8_e4m3fn, the
@@ -52,9 +57,9 @@ same on both sides), dequant dtype and output dtype float16/bfloat16/float32
 (the output dtype is the source matmul's own, type promotion included: a
 float16 dequantization times float32 scale tensors is a float32 matmul),
 ``scale_a`` per-tensor or per-token (shape ``[*lead, 1]`` of the activation),
-``scale_b`` per-tensor or per-output-channel (``[N, 1]`` on the weight, ``[N]``
-or ``[1, N]`` on the output), floating scales, views that only flatten the
-leading dimensions, a bias that is per-channel.  Shapes are compared with
+``scale_b`` per-tensor or per-output-channel (on the weight: what the probe
+proves; ``[N]`` or ``[1, N]`` on the output), floating scales, views that only
+flatten the leading dimensions, a bias that is per-channel.  Shapes are compared with
 ``statically_known_true``: a check never adds a guard (``dynamic=True`` stays
 dynamic), and what cannot be proven is not matched.
 
@@ -175,17 +180,21 @@ def torch_scaled_mm_patterns() -> Iterator[tuple[str, PatternExpr]]:
 # --------------------------------------------------------------------------- plans
 
 
-def plan_dequant_matmul(match: Match, *, form: str, viewed: bool) -> Plan:
+def plan_dequant_matmul(match: Match, *, form: str, viewed: bool) -> Plan | None:
     kw = match.kwargs
     c = check_dequant_matmul(match, viewed=viewed, zero_point=False)
+    if c is None:
+        return None
     a, out_dtype, sa_kind, sb_kind, bias = c.a, c.out_dtype, c.sa_kind, c.sb_kind, c.bias
 
-    def build(a, w, scale_a, scale_b, bias=None):
+    def build(a, w, scale_a, scale_b=1.0, bias=None):
         a2 = a.reshape(-1, a.shape[-1]) if viewed else a
         return torch.ops.quantfuse.scaled_mm(
             a2, w.t(), as_scale_vector(scale_a, a), as_scale_vector(scale_b, a), out_dtype, as_bias_vector(bias))
 
-    inputs = {"a": kw["a"], "w": kw["w"], "scale_a": kw["scale_a"], "scale_b": kw["scale_b"]}
+    inputs = {"a": kw["a"], "w": c.weight.q, "scale_a": kw["scale_a"]}
+    if c.weight.scale is not None:
+        inputs["scale_b"] = c.weight.scale
     if bias is not None:
         inputs["bias"] = bias
     detail = f"{a.dtype} {sa_kind} x {sb_kind} in {out_dtype}".replace("torch.", "")

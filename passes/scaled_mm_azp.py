@@ -1,11 +1,12 @@
 """Pattern family ``scaled_mm_azp``: asymmetric int8 activations into ``quantfuse::scaled_mm_azp``.
 
-Form 2c: ``((a.to(dt) - z_a) * s_a)`` [viewed to 2-D] and ``(w.to(dt) * s_b).t()``
-into ``mm`` / ``addmm`` (``F.linear``, ``x @ w.t()``, ``torch.mm``,
-``torch.matmul``), int8 only, with the same variants, checks and epilogue rules
-as ``scaled_mm`` (the pattern builders, checks and epilogue rules both use live
-in ``fx_helpers``; here they are generated with ``zero_point=True``).  Slots: ``joint_custom_pre_pass``, and
-``post_grad_custom_pre_pass`` as a second chance, for the reasons
+Form 2c: ``((a.to(dt) - z_a) * s_a)`` [viewed to 2-D] times any weight operand that computes
+``w.t() * s_b`` (``passes/scaled_weight.py`` decides, by probes: ``(w.to(dt) * s_b).t()``,
+``w.to(dt).t() * s_b``, ...) into ``mm`` / ``addmm`` (``F.linear``, ``x @ w.t()``,
+``torch.mm``, ``torch.matmul``), int8 only, with the same variants, checks and epilogue
+rules as ``scaled_mm`` (the pattern builders, checks and epilogue rules both use live in
+``fx_helpers``; here they are generated with ``zero_point=True``).  Slots:
+``joint_custom_pre_pass``, and ``post_grad_custom_pre_pass`` as a second chance, for the reasons
 ``scaled_mm``'s docstring gives.
 
 The zero point must be per-tensor (one element: ``azp=None``,
@@ -122,17 +123,21 @@ def call_scaled_mm_azp(a, w, scale_a, scale_b, azp, z_kind: str, out_dtype, bias
         as_bias_vector(bias))
 
 
-def plan_dequant_matmul_azp(match: Match, *, form: str, viewed: bool) -> Plan:
+def plan_dequant_matmul_azp(match: Match, *, form: str, viewed: bool) -> Plan | None:
     kw = match.kwargs
     c = check_dequant_matmul(match, viewed=viewed, zero_point=True)
+    if c is None:
+        return None
     a, out_dtype, sa_kind, sb_kind, bias = c.a, c.out_dtype, c.sa_kind, c.sb_kind, c.bias
     z_kind = zero_point_kind(kw["azp"], a)
 
-    def build(a, w, scale_a, scale_b, azp, bias=None):
+    def build(a, w, scale_a, azp, scale_b=1.0, bias=None):
         a2 = a.reshape(-1, a.shape[-1]) if viewed else a
         return call_scaled_mm_azp(a2, w, scale_a, scale_b, azp, z_kind, out_dtype, bias)
 
-    inputs = {"a": kw["a"], "w": kw["w"], "scale_a": kw["scale_a"], "scale_b": kw["scale_b"], "azp": kw["azp"]}
+    inputs = {"a": kw["a"], "w": c.weight.q, "scale_a": kw["scale_a"], "azp": kw["azp"]}
+    if c.weight.scale is not None:
+        inputs["scale_b"] = c.weight.scale
     if bias is not None:
         inputs["bias"] = bias
     detail = f"int8 {sa_kind} x {sb_kind}, {z_kind} zero point, in {out_dtype}".replace("torch.", "")

@@ -1,21 +1,22 @@
 """Pattern family ``w8a16_gemm``: int8 weight-only linears into ``quantfuse::w8a16_gemm``.
 
 Forms (docs/DESIGN.md, "Source forms recognised", form 4), as declarative pattern
-expressions generated over their variants, on the aten graph Inductor hands to its
-custom passes:
+expressions on the aten graph Inductor hands to its custom passes; what the matmul's weight
+operand ``W`` computes is decided by evaluating it on probes (``passes/scaled_weight.py``, the
+W8A8 families' rule: however it is written, ``W[k, n] = w_q[n, k] · s[n]`` with the product
+rounded once to ``W``'s dtype, or ``w_q[n, k]`` without a scale of its own):
 
 4a. scale after the matmul (torchao's ``Int8WeightOnlyConfig``, per-row and
     per-tensor, the same code on CPU and CUDA)::
 
-        y = mm(x, w_q.t().to(dt)) * s          # s: [N] / [1, N] / 1 element, in dt or float32
+        y = mm(x, W) * s          # W computes w_q.t() (torchao: w_q.t().to(dt)); s: [N] / [1, N] / 1 element
         [y = y.view(*lead, N)] [+ bias]
 
-    with the cast and the transpose in either order, the product in either operand order, and
-    the view also before the product (``F.linear(x3d, w_q.to(dt)) * s``);
+    with the product in either operand order, and the view also before the product
+    (``F.linear(x3d, w_q.to(dt)) * s``);
 4b. dequantize-then-matmul (``F.linear(x, w_q.to(dt) * s[:, None], b)``, ``x @ (...).t()``)::
 
-        W = w_q.to(dt) * s                     # s: [N, 1] / 1 element; either operand order
-        y = mm(x, W.t())  |  addmm(bias, x, W.t())
+        y = mm(x, W)  |  addmm(bias, x, W)     # W computes w_q.t() * s; s: N elements / 1 element
 
     (``F.linear`` of a 3-D ``x`` is ``view`` → ``mm``/``addmm`` → ``view``: the op replaces the
     2-D matmul and the views stay);
@@ -27,10 +28,10 @@ op by a second, small pattern set (the pass runs to a fixed point).
 
 Checks (a candidate failing one is left alone and the reason is remembered on its matmul
 for ``explain()``): ``w_q`` a 2-D int8 ``[N, K]`` tensor; ``x`` 2-D, float16 / bfloat16 /
-float32, the dtype the weight is cast to; the scale a tensor (not a number), per-channel or
+float32 (the matmul's dtype, so ``W``'s); the scale a tensor (not a number), per-channel or
 per-tensor as above, in float32 or the activation dtype; a bias per-channel in the
-activation dtype; no forward user of the weight-side nodes outside the match (backward
-users of a joint graph are fine, ``fx_helpers.check_private``); and ``x`` not itself
+activation dtype; no forward user of the nodes computing ``W`` from ``w_q`` outside the
+matmul (backward users of a joint graph are fine, ``dequant_probe.private_reason``); and ``x`` not itself
 dequantized from an int8 / fp8 tensor: that is a W8A8 form, which ``scaled_mm``'s checks
 decide (an activation it rejected stays unfused with its reason rather than becoming a
 weight-only product).
@@ -51,7 +52,6 @@ import functools
 
 import torch
 from torch._inductor.pattern_matcher import (
-    MULTIPLE,
     CallFunction,
     KeywordArg,
     Match,
@@ -63,16 +63,15 @@ from compile_backend.ops import W8A16_ACT_DTYPES
 
 from .candidates import quantized_source
 from .fx_helpers import (
-    CONVERT,
     MUL,
     VIEWS,
     Plan,
     as_bias_vector,
     bias_add_patterns,
     bias_ok,
-    check_private,
     is_scalar_like,
     known,
+    matmul_node,
     no_alpha,
     register_checked,
     require,
@@ -80,6 +79,7 @@ from .fx_helpers import (
     tensor_val,
     val,
 )
+from .scaled_weight import analyze
 
 aten = torch.ops.aten
 
@@ -94,44 +94,21 @@ _ACT_DEQUANT_DEPTH = 4
 # --------------------------------------------------------------------------- patterns
 
 
-def _weight_t(scaled: bool):
-    """The transposed weight in the matmul: ``w_q.t().to(dt)`` / ``w_q.to(dt).t()`` (4a), or
-    ``(w_q.to(dt) * s).t()`` with either operand order of the product (4b).  Its nodes may
-    have backward users in a joint graph (``_users=MULTIPLE``; ``check_private`` decides)."""
-    w, dt = KeywordArg("w"), KeywordArg("dt")
-    if not scaled:
-        yield CallFunction(CONVERT, CallFunction(aten.permute.default, w, [1, 0], _users=MULTIPLE), dt,
-                           _users=MULTIPLE)
-        yield CallFunction(aten.permute.default, CallFunction(CONVERT, w, dt, _users=MULTIPLE), [1, 0],
-                           _users=MULTIPLE)
-        return
-    cast, s = CallFunction(CONVERT, w, dt, _users=MULTIPLE), KeywordArg("s")
-    for deq in (CallFunction(MUL, cast, s, _users=MULTIPLE), CallFunction(MUL, s, cast, _users=MULTIPLE)):
-        yield CallFunction(aten.permute.default, deq, [1, 0], _users=MULTIPLE)
-
-
 def patterns():
-    """Every (form, pattern) of forms 4a, 4b and 4c."""
-    x, s = KeywordArg("x"), KeywordArg("s")
-    for wt in _weight_t(scaled=False):
-        mm = CallFunction(aten.mm.default, x, wt)
-        viewed = CallFunction(VIEWS, mm, KeywordArg("out_shape"))
-        for y in (mm, viewed):
-            yield "scale-after-mm", CallFunction(MUL, y, s)
-            yield "scale-after-mm", CallFunction(MUL, s, y)
-    for wt in _weight_t(scaled=True):
-        yield "dequant-mm", CallFunction(aten.mm.default, x, wt)
-        yield "dequant-addmm", CallFunction(aten.addmm.default, KeywordArg("bias"), x, wt)
+    """Every (form, pattern) of forms 4a, 4b and 4c.  ``w_deq`` is the matmul's weight operand, any
+    subgraph ``scaled_weight`` proves to be ``w_q.t()`` (4a) or ``w_q.t() * s`` (4b)."""
+    x, s, w = KeywordArg("x"), KeywordArg("s"), KeywordArg("w_deq")
+    mm = CallFunction(aten.mm.default, x, w)
+    viewed = CallFunction(VIEWS, mm, KeywordArg("out_shape"))
+    for y in (mm, viewed):
+        yield "scale-after-mm", CallFunction(MUL, y, s)
+        yield "scale-after-mm", CallFunction(MUL, s, y)
+    yield "dequant-mm", CallFunction(aten.mm.default, x, w)
+    yield "dequant-addmm", CallFunction(aten.addmm.default, KeywordArg("bias"), x, w)
     yield "weight_int8pack_mm", CallFunction(aten._weight_int8pack_mm.default, x, KeywordArg("w"), s)
 
 
 # --------------------------------------------------------------------------- checks and plan
-
-
-def _weight_side(match: Match) -> list:
-    """The match's nodes between ``w_q`` and the matmul (cast, transpose, scale product)."""
-    skip = {match.output_node()} | {n for n in match.nodes if n.target in (aten.mm.default, aten.addmm.default)}
-    return [n for n in match.nodes if n not in skip]
 
 
 def _scale_kind(s, n, *, after: bool, dt) -> str:
@@ -140,35 +117,50 @@ def _scale_kind(s, n, *, after: bool, dt) -> str:
             f"the scale has dtype {s.dtype}; w8a16_gemm takes float32 or the activation dtype {dt}")
     if is_scalar_like(s):
         return "per-tensor"
-    # After the matmul the scale multiplies the [M, N] output: [N] or [1, N].  On the
-    # weight it multiplies [N, K]: [N, 1].
+    # After the matmul the scale multiplies the [M, N] output: [N] or [1, N].  On the weight,
+    # ``scaled_weight`` has proven it per output channel (N elements).
     if after:
         ok = 1 <= s.dim() <= 2 and known(s.shape[-1] == n) and (s.dim() == 1 or known(s.shape[0] == 1))
         require(ok, f"scale of shape {shape_str(s)} is neither per-tensor nor per-channel ([N] or [1, N]) "
                     f"for N = {n}")
-    else:
-        ok = s.dim() == 2 and known(s.shape[0] == n) and known(s.shape[1] == 1)
-        require(ok, f"scale of shape {shape_str(s)} is neither per-tensor nor per-channel ([N, 1]) "
-                    f"for a weight of {n} rows")
     return "per-channel"
 
 
-def plan(match: Match, *, form: str) -> Plan:
+def _weight(match: Match, form: str):
+    """(w_q, scale) of the match: 4c's operands, or what ``scaled_weight`` proves the weight operand to
+    be, or why it is none; None when it is no candidate of ``form`` (4a's weight has no scale of its
+    own, 4b's has one)."""
     kw = match.kwargs
-    x, w = val(kw["x"]), val(kw["w"])
-    dt = kw["dt"] if "dt" in kw else getattr(x, "dtype", None)
-    require(isinstance(w, torch.Tensor) and w.dtype == torch.int8 and w.dim() == 2,
-            f"the weight is {getattr(w, 'dtype', w)} of shape {shape_str(w)}; expected a 2-D int8 tensor [N, K]")
+    if form == "weight_int8pack_mm":
+        w = val(kw["w"])
+        require(isinstance(w, torch.Tensor) and w.dtype == torch.int8 and w.dim() == 2,
+                f"the weight is {getattr(w, 'dtype', w)} of shape {shape_str(w)}; expected a 2-D int8 tensor [N, K]")
+        return kw["w"], kw["s"]
+    weight = analyze(kw["w_deq"], matmul_node(match), (torch.int8,))
+    if weight is None or isinstance(weight, str):
+        return weight
+    if (form == "scale-after-mm") != (weight.scale is None):
+        return None
+    return weight.q, kw["s"] if form == "scale-after-mm" else weight.scale
+
+
+def plan(match: Match, *, form: str) -> Plan | None:
+    kw = match.kwargs
+    weight = _weight(match, form)
+    if weight is None:
+        return None
+    x = val(kw["x"])
     require(isinstance(x, torch.Tensor) and x.dim() == 2 and x.dtype in W8A16_ACT_DTYPES,
             f"the activation is {getattr(x, 'dtype', x)} of shape {shape_str(x)}; expected a 2-D float16, "
             "bfloat16 or float32 tensor")
-    require(dt == x.dtype, f"the weight is cast to {dt}, the activation is {x.dtype}")
-    N, K = w.shape
-    require(known(x.shape[1] == K), f"weight of shape {shape_str(w)} does not match activation {shape_str(x)}")
     source = quantized_source(kw["x"], depth=_ACT_DEQUANT_DEPTH)
     require(source is None, f"the activation is dequantized from {source} (a W8A8 form, not weight-only)")
-    kind = _scale_kind(val(kw["s"]), N, after=form in ("scale-after-mm", "weight_int8pack_mm"), dt=dt)
-    check_private(match, _weight_side(match), "the dequantized weight")
+    require(not isinstance(weight, str), weight)
+    w_node, s_node = weight
+    w, dt = val(w_node), x.dtype
+    N, K = w.shape
+    require(known(x.shape[1] == K), f"weight of shape {shape_str(w)} does not match activation {shape_str(x)}")
+    kind = _scale_kind(val(s_node), N, after=form in ("scale-after-mm", "weight_int8pack_mm"), dt=dt)
     bias = kw.get("bias")
     if bias is not None:
         require(bias_ok(val(bias), N, dt),
@@ -186,7 +178,7 @@ def plan(match: Match, *, form: str) -> Plan:
             return y
         return y.reshape([sizes[f"size{i}"] if isinstance(d, torch.fx.Node) else d for i, d in enumerate(shape)])
 
-    inputs = {"x": kw["x"], "w": kw["w"], "s": kw["s"]}
+    inputs = {"x": kw["x"], "w": w_node, "s": s_node}
     if bias is not None:
         inputs["bias"] = bias
     inputs.update(syms)

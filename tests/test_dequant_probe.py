@@ -1,5 +1,6 @@
-"""The probe machinery of passes/dequant_probe.py: subgraph collection, small sizes, evaluation, signatures;
-and the AWQ family's use of it on graph constants (passes/awq_gemm.py).
+"""The probe machinery of passes/dequant_probe.py: subgraph collection, small sizes (symbolic ones too),
+evaluation, number roles, signatures; and the AWQ and W8A8 families' use of it on graph constants
+(passes/awq_gemm.py, passes/scaled_weight.py) and its verdict cache.
 
 Graphs are made with ``make_fx`` and Inductor's decompositions (the aten ops the passes see), with
 fake placeholders for tensors passed as arguments and real ``get_attr`` constants for tensors a
@@ -207,3 +208,112 @@ def test_constants_are_checked_on_their_real_values(monkeypatch):
     monkeypatch.setattr(awq_gemm, "_prove", lambda *args: None)
     assert awq_gemm._analyze(mm, mm.args[0], mm.args[1]) == (
         "on the constant qweight, qzeros and scales the weight differs from the AWQ dequantization")
+
+
+# --------------------------------------------------------------------------- W8A8's weight side (scaled_weight.py)
+
+
+def _w8a8_weight(w, s):
+    return (w.float() * s.view(-1, 1)).t()
+
+
+def test_collect_stops_at_the_leaves_a_family_names():
+    w, s = torch.randint(-128, 128, (N, K), dtype=torch.int8), torch.rand(N)
+    gm = fx(_w8a8_weight, w, s)
+    view = node(gm, aten.view.default)
+    whole = dequant_probe.collect(result(gm))
+    cut = dequant_probe.collect(result(gm), leaf=lambda n: n is view)
+    assert view in whole.nodes and view not in cut.nodes and view in cut.inputs
+    assert {n.name for n in cut.inputs} == {"w_1", "view"}
+
+
+def test_symbolic_sizes_get_small_values_unlike_any_literal():
+    """Under dynamic shapes K and N are symbols: each gets a small value of its own, none of the subgraph's
+    int literals, and the subgraph evaluated there is the function at those sizes."""
+    w, s = torch.randint(-128, 128, (N, K), dtype=torch.int8), torch.rand(N)
+    gm = make_fx(lambda w, s: (w.float() * s.view(-1, 1).expand(w.shape[0], w.shape[1])).t(),
+                 decomposition_table=select_decomp_table(), tracing_mode="symbolic")(w, s)
+    sub = dequant_probe.collect(result(gm))
+    n_sym, k_sym = next(n for n in gm.graph.nodes if n.op == "placeholder").meta["val"].shape
+    assert all(isinstance(v, torch.SymInt) for v in (n_sym, k_sym))
+    literals = sub.int_literals()
+    sizes = SizeMap.shrink({"K": k_sym, "N": n_sym}, avoid=literals)
+    k, n = sizes.small["K"], sizes.small["N"]
+    assert k != n and not {k, n} & literals and sizes(k_sym * n_sym) == k * n
+    inputs = [p for p in gm.graph.nodes if p.op == "placeholder"]
+    sw, ss = torch.randint(-128, 128, (n, k), dtype=torch.int8), torch.rand(n)
+    got = dequant_probe.evaluate(sub, dict(zip(inputs, (sw, ss))), sizes)
+    assert torch.equal(got, _w8a8_weight(sw, ss))
+
+
+def test_a_number_plays_a_role():
+    """A float operand of an elementwise op (``* 0.02``) is fed like a leaf, and equal graphs with other
+    numbers in that role share one signature."""
+    w = torch.randint(-128, 128, (N, K), dtype=torch.int8)
+
+    def sub_of(scale):
+        gm = fx(lambda w: w.float().t() * scale, w)
+        return gm, dequant_probe.collect(result(gm))
+
+    gm, sub = sub_of(0.02)
+    (lit,) = sub.literals()
+    assert lit.value == 0.02
+    q = next(n for n in gm.graph.nodes if n.op == "placeholder")
+    got = dequant_probe.evaluate(sub, {q: w, lit: 0.5}, SizeMap.real_sizes({"K": K, "N": N}))
+    assert torch.equal(got, w.float().t() * 0.5)
+    gm2, sub2 = sub_of(0.03)
+    (lit2,) = sub2.literals()
+    q2 = next(n for n in gm2.graph.nodes if n.op == "placeholder")
+    assert dequant_probe.signature(sub, {"weight": q, "scale": lit}) == \
+        dequant_probe.signature(sub2, {"weight": q2, "scale": lit2})
+    assert dequant_probe.signature(sub, {"weight": q}) != dequant_probe.signature(sub2, {"weight": q2})
+
+
+def _w8a8_constant_graph(weight):
+    """``x @ weight(w, s)`` with an int8 ``w`` and its scale closed over: get_attr constants."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randint(-128, 128, (N, K), dtype=torch.int8, generator=gen)
+    s = torch.rand(N, generator=gen) * 0.01 + 1e-3
+    gm = fx(lambda x: x @ weight(w, s), torch.randn(2, K))
+    return gm, node(gm, aten.mm.default)
+
+
+def test_w8a8_constants_are_checked_on_their_real_values(monkeypatch):
+    from compile_backend.passes import scaled_weight
+
+    gm, mm = _w8a8_constant_graph(lambda w, s: w.float().t() * s)
+    found = scaled_weight.analyze(mm.args[1], mm, (torch.int8,))
+    assert isinstance(found, scaled_weight.ScaledWeight), found
+    assert found.kind == "per-channel" and {found.q.op, found.scale.op} == {"get_attr"}
+    # An offset on constants: the probes say so, and so does the evaluation on the real values when the
+    # probes are taken out of the way.
+    gm, mm = _w8a8_constant_graph(lambda w, s: (w.float().t() + 1) * s)
+    assert "an offset" in scaled_weight.analyze(mm.args[1], mm, (torch.int8,))
+    monkeypatch.setattr(scaled_weight, "_prove", lambda *args: None)
+    assert scaled_weight.analyze(mm.args[1], mm, (torch.int8,)) == (
+        "on the constant weight and scale the weight differs from the dequantization")
+
+
+def test_w8a8_probes_run_once_per_signature(monkeypatch):
+    """Two layers of one shape (other weights and scales) share a subgraph signature: probed once."""
+    from pass_helpers import apply_passes
+
+    from compile_backend.passes import scaled_weight
+
+    monkeypatch.setattr(scaled_weight, "_VERDICTS", {})
+    runs = []
+    prove = dequant_probe.prove
+    monkeypatch.setattr(dequant_probe, "prove", lambda *args, **kw: runs.append(1) or prove(*args, **kw))
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randint(-128, 128, (4, K), dtype=torch.int8, generator=gen)
+    weights = [torch.randint(-128, 128, (K, K), dtype=torch.int8, generator=gen) for _ in range(2)]
+    scales = [torch.rand(K, generator=gen) * 0.01 + 1e-3 for _ in range(2)]
+
+    def two_layers(a, w1, s1, w2, s2):
+        h = (a.float() * 0.01) @ (w1.float() * s1[:, None]).t()
+        q = h.round().clamp(-128, 127).to(torch.int8)
+        return (q.float() * 0.01) @ (w2.float() * s2[:, None]).t()
+
+    r = apply_passes(two_layers, a, weights[0], scales[0], weights[1], scales[1])
+    assert r.fused == 2, r.report
+    assert len(runs) == 1 and len(scaled_weight._VERDICTS) == 1

@@ -490,3 +490,137 @@ def test_compiled_output_dtype_follows_type_promotion(dq):
     assert out.dtype == expected.dtype == torch.float32
     assert torch.equal(out.isfinite(), expected.isfinite())
     _close(TestCase(), out, expected, torch.float32)
+
+
+# --------------------------------------------------------------------------- weight spellings decided by probes
+#
+# The weight operand is accepted when evaluating it on probes shows that it computes
+# W[k, n] = w[n, k] * s[n] (or * s), the product rounded once to the weight's dtype
+# (passes/scaled_weight.py): how that is written does not matter.
+
+BF16 = torch.bfloat16
+WEIGHT_SPELLINGS = {
+    # transposed first, then the scale along the last dimension
+    "transpose_then_scale": lambda w, sb: w.to(torch.float32).t() * sb,
+    # the int8 weight transposed before its cast, the scale as a [1, N] row
+    "int8_transposed_then_cast": lambda w, sb: w.t().to(torch.float32) * sb.view(1, -1),
+    # the scale expanded to the weight's shape, multiplied from the left, transposed by a function
+    "expanded_scale": lambda w, sb: torch.transpose(sb.unsqueeze(1).expand(N, K) * w.float(), 0, 1),
+    # a reshape round trip of the dequantized weight, the scale reshaped to [N, 1]
+    "reshape_round_trip": lambda w, sb: (w.float().reshape(-1).reshape(N, K) * sb.reshape(N, 1)).permute(1, 0),
+    # the int8 -> float conversion left to type promotion by the float32 scale
+    "type_promotion": lambda w, sb: (w * sb[:, None]).t(),
+    # a Python number as the per-tensor scale, after the transpose
+    "number_scale": lambda w, sb: w.float().t() * 0.0123,
+}
+
+
+def _spelled_linear(weight, out_dtype=None):
+    """``(a.to(dt) * sa) @ weight(w, sb)``, dt the weight's dtype (bfloat16 when it rounds to it)."""
+
+    def fn(a, w, sa, sb, bias):
+        wd = weight(w, sb)
+        x = a.to(wd.dtype) * sa.to(wd.dtype)
+        y = x @ wd
+        return y if out_dtype is None else y.to(out_dtype)
+
+    return fn
+
+
+# The product in float32 rounded to bfloat16 once, as the weight: the source's own rounding.
+WEIGHT_SPELLINGS_ROUNDED = {
+    "cast_after_product": lambda w, sb: (w.float() * sb[:, None]).to(BF16).t(),
+}
+
+
+def _compile_and_run(fn, *args):
+    from compile_backend.passes import collecting_report
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="quantfuse", options={"fx_graph_cache": False})
+    with torch.no_grad(), collecting_report() as report:
+        out = compiled(*args)
+        expected = fn(*args)
+    torch._dynamo.reset()
+    return report, out, expected
+
+
+@pytest.mark.parametrize("name", sorted(WEIGHT_SPELLINGS))
+def test_weight_spellings_fuse(name):
+    """Spellings of ``w.to(f32) * s[:, None]`` then ``.t()`` with the same meaning fuse, on the joint
+    graph (static and dynamic shapes) and the post-grad one."""
+    a, w, sa, sb, bias = _inputs(lead=(2, 3))
+    fn = _spelled_linear(WEIGHT_SPELLINGS[name], torch.bfloat16)
+    for kw in (dict(), dict(dynamic=True), dict(stage="post_grad", skip_joint=True)):
+        r = apply_passes(fn, a, w, sa, sb, bias, **kw)
+        assert r.fused == 1 and r.count(*MATMULS) == 0, (kw, graph_str(r.after))
+        assert r.report.counts() == {"scaled_mm": 1} and r.report.unfused == [], (kw, str(r.report))
+        (op,) = [n for n in r.after.graph.nodes if n.target is SCALED_MM]
+        # The op reads the stored [N, K] weight through a transposed view, not a copy.
+        b = op.args[1]
+        assert b.target is aten.permute.default and b.args[0].op == "placeholder", graph_str(r.after)
+        _close(TestCase(), r.output, r.expected, torch.float32)
+
+
+# torch promotes no float8 tensor to float32 by itself: type promotion is an int8 spelling only.
+COMPILED_SPELLINGS = [(name, q) for name in sorted(WEIGHT_SPELLINGS) + sorted(WEIGHT_SPELLINGS_ROUNDED)
+                      for q in (torch.int8, torch.float8_e4m3fn)
+                      if not (name == "type_promotion" and q == torch.float8_e4m3fn)]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name,qdtype", COMPILED_SPELLINGS, ids=str)
+def test_compiled_weight_spellings(name, qdtype):
+    """Through ``torch.compile(backend="quantfuse")``: fused, and equal to eager within the tolerance of
+    the dequantization dtype."""
+    weight = {**WEIGHT_SPELLINGS, **WEIGHT_SPELLINGS_ROUNDED}[name]
+    a, w, sa, sb, bias = _inputs(qdtype=qdtype, lead=(2, 3))
+    report, out, expected = _compile_and_run(_spelled_linear(weight, torch.float16), a, w, sa, sb, bias)
+    assert report.counts() == {"scaled_mm": 1} and report.unfused == [], str(report)
+    _close(TestCase(), out, expected, BF16 if name in WEIGHT_SPELLINGS_ROUNDED else torch.float32)
+
+
+# Near-misses of the weight side, with K == N so that every operand has the shape of a right one.
+def _square_inputs(**kw):
+    a, w, sa, sb, bias = _inputs(**kw)
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randint(-128, 128, (K, K), dtype=torch.int8, generator=gen)
+    sb = torch.rand(K, generator=gen) * 0.01 + 1e-3
+    return a, w, sa, sb, bias
+
+
+def _act(a, sa):
+    return a.float() * sa
+
+
+WEIGHT_NEAR_MISSES = {
+    # no transpose: W[k, n] = w[k, n] * s[k]
+    "missing_transpose": (lambda a, w, sa, sb, b: _act(a, sa) @ (w.float() * sb[:, None]),
+                          "the weight is not transposed"),
+    # the scale multiplies the weight's columns, then the transpose: W[k, n] = w[n, k] * s[k]
+    "scale_along_K": (lambda a, w, sa, sb, b: _act(a, sa) @ (w.float() * sb[None, :]).t(),
+                      "the scale runs along K"),
+    "offset": (lambda a, w, sa, sb, b: F.linear(_act(a, sa), (w.float() + 1) * sb[:, None]), "an offset"),
+    "division": (lambda a, w, sa, sb, b: F.linear(_act(a, sa), w.float() / sb[:, None]),
+                 "divided by its scale"),
+    # dividing by a reciprocal is not multiplying by the scale: the op would need the reciprocal's
+    # reciprocal, which rounds
+    "reciprocal_division": (lambda a, w, sa, sb, b: F.linear(_act(a, sa), w.float() / (1 / sb)[:, None]),
+                            "divided by its scale"),
+    # a rounding to float16 inside a float32 weight
+    "float16_rounding": (lambda a, w, sa, sb, b: F.linear(_act(a, sa), (w.float() * sb[:, None]).half().float()),
+                         "rounded once"),
+    # a clamp is not an op a dequantization is made of: the weight is no dequantization the probe evaluates
+    "clamp": (lambda a, w, sa, sb, b: F.linear(_act(a, sa), w.float().clamp(-100, 100) * sb[:, None]),
+              "no quantfuse pattern matches"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WEIGHT_NEAR_MISSES))
+def test_weight_near_misses_are_left_alone(name):
+    fn, reason = WEIGHT_NEAR_MISSES[name]
+    r = apply_passes(fn, *_square_inputs())
+    assert r.fused == 0 and r.count(*MATMULS) == 1, graph_str(r.after)
+    torch.testing.assert_close(r.output, r.expected, rtol=0, atol=0)
+    (unfused,) = r.report.unfused
+    assert reason in unfused.reason, unfused.reason

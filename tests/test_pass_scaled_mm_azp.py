@@ -222,3 +222,67 @@ def test_output_dtype_follows_type_promotion(dq):
     (op,) = [n for n in r.after.graph.nodes if n.target is AZP]
     assert op.args[4] == torch.float32 and r.output.dtype == torch.float32
     _close(r.output, r.expected)
+
+
+# --------------------------------------------------------------------------- weight spellings decided by probes
+
+# Spellings of ``(w.float() * sb[:, None]).t()`` with the same meaning (passes/scaled_weight.py).
+WEIGHT_SPELLINGS = {
+    "transpose_then_scale": lambda w, sb: w.float().t() * sb,
+    "int8_transposed_then_cast": lambda w, sb: w.t().float() * sb.reshape(1, N),
+    "expanded_scale": lambda w, sb: (sb.view(-1, 1).expand(N, K) * w.float()).permute(1, 0),
+    "type_promotion": lambda w, sb: (sb[:, None] * w).t(),
+}
+
+
+def _spelled(weight):
+    def fn(a, w, sa, za, sb, bias):
+        x = (a.float() - za.float()) * sa
+        return (x @ weight(w, sb) + bias.float()).to(torch.bfloat16)
+
+    return fn
+
+
+@pytest.mark.parametrize("name", sorted(WEIGHT_SPELLINGS))
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_weight_spellings_fuse(name, dynamic):
+    r = apply_passes(_spelled(WEIGHT_SPELLINGS[name]), *_inputs(lead=(2, 3)), dynamic=dynamic)
+    assert r.count(AZP) == 1 and r.count(*MATMULS) == 0, graph_str(r.after)
+    assert r.report.counts() == {"scaled_mm_azp": 1} and r.report.unfused == [], str(r.report)
+    # The column sums are those of the stored [N, K] weight.
+    (colsum,) = [n for n in r.after.graph.nodes if n.target is COLSUM]
+    assert colsum.args[0].op == "placeholder", graph_str(r.after)
+    _close(r.output, r.expected)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name", sorted(WEIGHT_SPELLINGS))
+def test_compiled_weight_spellings(name):
+    from compile_backend.passes import collecting_report
+
+    fn = _spelled(WEIGHT_SPELLINGS[name])
+    args = _inputs(lead=(2, 3))
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="quantfuse", options={"fx_graph_cache": False})
+    with torch.no_grad(), collecting_report() as report:
+        out = compiled(*args)
+        expected = fn(*args)
+    torch._dynamo.reset()
+    assert report.counts() == {"scaled_mm_azp": 1} and report.unfused == [], str(report)
+    _close(out, expected)
+
+
+def test_weight_near_miss_keeps_its_reason():
+    """A weight transposed twice (K == N, so the shapes match) is no dequantization of the stored weight."""
+    a, w, sa, za, sb, bias = _inputs()
+    w = torch.randint(-128, 128, (K, K), dtype=torch.int8)
+    sb = torch.rand(K) * 0.01 + 1e-3
+
+    def fn(a, w, sa, za, sb, bias):
+        return ((a.float() - za.float()) * sa) @ (w.float() * sb[:, None]).t().t()
+
+    r = apply_passes(fn, a, w, sa, za, sb, bias)
+    assert r.count(AZP) == 0 and r.count(*MATMULS) == 1, graph_str(r.after)
+    (unfused,) = r.report.unfused
+    assert "the weight is not transposed" in unfused.reason, unfused.reason
+    torch.testing.assert_close(r.output, r.expected, rtol=0, atol=0)

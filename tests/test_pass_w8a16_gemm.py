@@ -184,6 +184,67 @@ def test_tinygemm_int4_is_reported_with_its_reason():
     assert "tinygemm int4" in r.report.unfused[0].reason and "float zero" in r.report.unfused[0].reason
 
 
+# --------------------------------------------------------------------------- weight spellings decided by probes
+
+# Spellings of the weight side with the same meaning (passes/scaled_weight.py decides): 4b's
+# ``(w.to(dt) * s[:, None]).t()`` and 4a's ``w.t().to(dt)`` written otherwise.
+WEIGHT_SPELLINGS = {
+    "transpose-then-scale": lambda x, w, s, b: x @ (w.to(x.dtype).t() * s.to(x.dtype)) + b,
+    "expanded-scale": lambda x, w, s, b: F.linear(x, s.to(x.dtype).unsqueeze(1).expand(N, K) * w.to(x.dtype), b),
+    # the product in float32 (type promotion of an int32 weight) rounded once to the activation dtype
+    "cast-after-product": lambda x, w, s, b: F.linear(x, (w.to(torch.int32) * s[:, None]).to(x.dtype), b),
+    # 4a with the int8 weight widened exactly on its way to the activation dtype
+    "scale-after-widened-weight": lambda x, w, s, b: x @ w.t().to(torch.int16).to(x.dtype) * s.to(x.dtype) + b,
+}
+
+
+@pytest.mark.parametrize("form", WEIGHT_SPELLINGS)
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32), ids=("bf16", "f32"))
+def test_weight_spellings_fuse(form, dtype):
+    x, w, s, b = data(dtype)
+    fn = WEIGHT_SPELLINGS[form]
+    r = apply_passes(fn, x, w, s, b)
+    assert r.count(W8A16) == 1 and r.count(aten.mm.default, aten.addmm.default) == 0, str(r.report)
+    assert r.report.counts()["w8a16_gemm"] == 1 and not r.report.unfused, str(r.report)
+    # The op reads the stored int8 weight itself.
+    (op,) = [n for n in r.after.graph.nodes if n.target is W8A16]
+    assert op.args[1].op == "placeholder"
+    assert_close_to_reference(r.output, x, w, s.to(dtype), b, source_roundings=1)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("form", WEIGHT_SPELLINGS)
+def test_compiled_weight_spellings(form):
+    from compile_backend.passes import collecting_report
+
+    x, w, s, b = data(torch.bfloat16, lead=(2, 3))
+    fn = WEIGHT_SPELLINGS[form]
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="quantfuse", options={"fx_graph_cache": False})
+    with torch.no_grad(), collecting_report() as report:
+        out = compiled(x, w, s, b)
+        expected = fn(x, w, s, b)
+    torch._dynamo.reset()
+    assert report.counts() == {"w8a16_gemm": 1} and not report.unfused, str(report)
+    assert out.dtype == expected.dtype and out.shape == expected.shape
+    # Within one rounding of the result and the source's rounding of the weight (or product).
+    assert_close_to_reference(out.reshape(-1, N), x.reshape(-1, K), w, s.to(x.dtype), b, source_roundings=1)
+
+
+def test_weight_near_misses_carry_the_probe_reason():
+    x, _, s, b = data(torch.float32)
+    w = torch.randint(-128, 128, (K, K), dtype=torch.int8)
+    s = torch.rand(K) * 1e-2 + 1e-3
+    # K == N: a missing transpose has the right shapes.
+    _unfused(lambda x, w, s: x @ (w.to(x.dtype) * s[:, None]), x, w, s, reason="the weight is not transposed")
+    _unfused(lambda x, w, s: F.linear(x, w.to(x.dtype) / s[:, None]), x, w, s, reason="divided by its scale")
+    _unfused(lambda x, w, s: F.linear(x, (w.to(x.dtype) - 1) * s[:, None]), x, w, s, reason="an offset")
+    # A number scaling the weight before the scale after the matmul: 4a's weight has no scale of its own,
+    # and 4b takes a scale tensor.
+    _unfused(lambda x, w, s: torch.mm(x, (w.to(x.dtype) * 0.5).t()) * s, x, w, s,
+             reason="the scale is 0.5; expected a tensor")
+
+
 # --------------------------------------------------------------------------- near-misses stay unfused
 
 
