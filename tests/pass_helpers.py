@@ -207,3 +207,15 @@ def graph_str(gm) -> str:
 def count_calls(gm, *targets) -> int:
     graph = gm.graph if isinstance(gm, torch.fx.GraphModule) else gm
     return sum(1 for n in graph.nodes if n.op == "call_function" and n.target in targets)
+
+
+def compile_and_run(fn, *args):
+    """``fn`` compiled by the backend and called once under no_grad: (the report of what was
+    fused, the compiled result, eager's result)."""
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="quantfuse", options={"fx_graph_cache": False})
+    with torch.no_grad(), collecting_report() as report:
+        out = compiled(*args)
+        expected = fn(*args)
+    torch._dynamo.reset()
+    return report, out, expected

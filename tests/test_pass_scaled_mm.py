@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from expecttest import TestCase
-from pass_helpers import MATMULS, apply_passes, count_calls, graph_str
+from pass_helpers import MATMULS, apply_passes, compile_and_run, count_calls, graph_str
 
 from compile_backend.quantize import W8A8Linear
 
@@ -533,18 +533,6 @@ WEIGHT_SPELLINGS_ROUNDED = {
 }
 
 
-def _compile_and_run(fn, *args):
-    from compile_backend.passes import collecting_report
-
-    torch._dynamo.reset()
-    compiled = torch.compile(fn, backend="quantfuse", options={"fx_graph_cache": False})
-    with torch.no_grad(), collecting_report() as report:
-        out = compiled(*args)
-        expected = fn(*args)
-    torch._dynamo.reset()
-    return report, out, expected
-
-
 @pytest.mark.parametrize("name", sorted(WEIGHT_SPELLINGS))
 def test_weight_spellings_fuse(name):
     """Spellings of ``w.to(f32) * s[:, None]`` then ``.t()`` with the same meaning fuse, on the joint
@@ -575,7 +563,7 @@ def test_compiled_weight_spellings(name, qdtype):
     the dequantization dtype."""
     weight = {**WEIGHT_SPELLINGS, **WEIGHT_SPELLINGS_ROUNDED}[name]
     a, w, sa, sb, bias = _inputs(qdtype=qdtype, lead=(2, 3))
-    report, out, expected = _compile_and_run(_spelled_linear(weight, torch.float16), a, w, sa, sb, bias)
+    report, out, expected = compile_and_run(_spelled_linear(weight, torch.float16), a, w, sa, sb, bias)
     assert report.counts() == {"scaled_mm": 1} and report.unfused == [], str(report)
     _close(TestCase(), out, expected, BF16 if name in WEIGHT_SPELLINGS_ROUNDED else torch.float32)
 

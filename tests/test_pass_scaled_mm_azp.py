@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from expecttest import TestCase
-from pass_helpers import MATMULS, apply_passes, count_calls, graph_str
+from pass_helpers import MATMULS, apply_passes, compile_and_run, count_calls, graph_str
 
 from compile_backend import weight_cache
 from compile_backend.quantize import W8A8Linear
@@ -258,16 +258,7 @@ def test_weight_spellings_fuse(name, dynamic):
 @pytest.mark.compile
 @pytest.mark.parametrize("name", sorted(WEIGHT_SPELLINGS))
 def test_compiled_weight_spellings(name):
-    from compile_backend.passes import collecting_report
-
-    fn = _spelled(WEIGHT_SPELLINGS[name])
-    args = _inputs(lead=(2, 3))
-    torch._dynamo.reset()
-    compiled = torch.compile(fn, backend="quantfuse", options={"fx_graph_cache": False})
-    with torch.no_grad(), collecting_report() as report:
-        out = compiled(*args)
-        expected = fn(*args)
-    torch._dynamo.reset()
+    report, out, expected = compile_and_run(_spelled(WEIGHT_SPELLINGS[name]), *_inputs(lead=(2, 3)))
     assert report.counts() == {"scaled_mm_azp": 1} and report.unfused == [], str(report)
     _close(out, expected)
 
