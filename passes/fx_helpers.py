@@ -343,6 +343,18 @@ class DequantMatmul:
     def sb_kind(self) -> str:
         return self.weight.kind
 
+    def inputs(self, match: Match, **more) -> dict:
+        """The replacement's inputs in the order its ``build`` takes them: ``a``, the quantized weight,
+        ``scale_a``, ``more`` (a family's own operands), then the weight scale and the bias where there
+        are any."""
+        kw = match.kwargs
+        inputs = {"a": kw["a"], "w": self.weight.q, "scale_a": kw["scale_a"], **more}
+        if self.weight.scale is not None:
+            inputs["scale_b"] = self.weight.scale
+        if self.bias is not None:
+            inputs["bias"] = self.bias
+        return inputs
+
 
 def check_view(match: Match, a, viewed: bool) -> None:
     if not viewed:

@@ -181,24 +181,18 @@ def torch_scaled_mm_patterns() -> Iterator[tuple[str, PatternExpr]]:
 
 
 def plan_dequant_matmul(match: Match, *, form: str, viewed: bool) -> Plan | None:
-    kw = match.kwargs
     c = check_dequant_matmul(match, viewed=viewed, zero_point=False)
     if c is None:
         return None
-    a, out_dtype, sa_kind, sb_kind, bias = c.a, c.out_dtype, c.sa_kind, c.sb_kind, c.bias
+    a, out_dtype, sa_kind, sb_kind = c.a, c.out_dtype, c.sa_kind, c.sb_kind
 
     def build(a, w, scale_a, scale_b=1.0, bias=None):
         a2 = a.reshape(-1, a.shape[-1]) if viewed else a
         return torch.ops.quantfuse.scaled_mm(
             a2, w.t(), as_scale_vector(scale_a, a), as_scale_vector(scale_b, a), out_dtype, as_bias_vector(bias))
 
-    inputs = {"a": kw["a"], "w": c.weight.q, "scale_a": kw["scale_a"]}
-    if c.weight.scale is not None:
-        inputs["scale_b"] = c.weight.scale
-    if bias is not None:
-        inputs["bias"] = bias
     detail = f"{a.dtype} {sa_kind} x {sb_kind} in {out_dtype}".replace("torch.", "")
-    return Plan(inputs, build, detail, out_dtype)
+    return Plan(c.inputs(match), build, detail, out_dtype)
 
 
 def scale_source(s, shape):

@@ -128,20 +128,15 @@ def plan_dequant_matmul_azp(match: Match, *, form: str, viewed: bool) -> Plan | 
     c = check_dequant_matmul(match, viewed=viewed, zero_point=True)
     if c is None:
         return None
-    a, out_dtype, sa_kind, sb_kind, bias = c.a, c.out_dtype, c.sa_kind, c.sb_kind, c.bias
+    a, out_dtype, sa_kind, sb_kind = c.a, c.out_dtype, c.sa_kind, c.sb_kind
     z_kind = zero_point_kind(kw["azp"], a)
 
     def build(a, w, scale_a, azp, scale_b=1.0, bias=None):
         a2 = a.reshape(-1, a.shape[-1]) if viewed else a
         return call_scaled_mm_azp(a2, w, scale_a, scale_b, azp, z_kind, out_dtype, bias)
 
-    inputs = {"a": kw["a"], "w": c.weight.q, "scale_a": kw["scale_a"], "azp": kw["azp"]}
-    if c.weight.scale is not None:
-        inputs["scale_b"] = c.weight.scale
-    if bias is not None:
-        inputs["bias"] = bias
     detail = f"int8 {sa_kind} x {sb_kind}, {z_kind} zero point, in {out_dtype}".replace("torch.", "")
-    return Plan(inputs, build, detail, out_dtype)
+    return Plan(c.inputs(match, azp=kw["azp"]), build, detail, out_dtype)
 
 
 # --------------------------------------------------------------------------- integer GEMM with a zero point
