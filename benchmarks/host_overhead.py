@@ -77,6 +77,9 @@ def main() -> int:
     s = (torch.rand(K // 128, N, device=DEV) * 1e-2).half()
     qw, qz = awq_pack(q), awq_pack(z)
     x1, x64 = torch.randn(1, K, device=DEV).half(), torch.randn(64, K, device=DEV).half()
+    # 192 tokens: 1.5 token tiles of 128, the last one mostly empty (too short a call to pad x:
+    # awq_gemm_sm90_choice.h, padded_tokens)
+    x192 = torch.randn(192, K, device=DEV).half()
     w = torch.randn(K, N, device=DEV).half()
     qf = torch.ops.quantfuse
     packed = qf._awq_repack_cuda(qw)
@@ -87,6 +90,7 @@ def main() -> int:
         "int_mm": ("torch._int_mm, M = 32", lambda: torch._int_mm(a32, b)),
         "mm1": ("torch.mm fp16, M = 1", lambda: torch.mm(x1, w)),
         "mm64": ("torch.mm fp16, M = 64", lambda: torch.mm(x64, w)),
+        "mm192": ("torch.mm fp16, M = 192", lambda: torch.mm(x192, w)),
     }
     # (name, fn, baseline key or None for the private kernel ops)
     paths = [
@@ -106,6 +110,7 @@ def main() -> int:
         ("awq_gemm, M = 1 (op)", lambda: qf.awq_gemm(x1, qw, s, qz, 128, None), "mm1"),
         ("  _awq_gemm_cuda (kernel op)", lambda: qf._awq_gemm_cuda(x1, packed, s, qz, 128, None), None),
         ("awq_gemm, M = 64 (op)", lambda: qf.awq_gemm(x64, qw, s, qz, 128, None), "mm64"),
+        ("awq_gemm, M = 192 (op)", lambda: qf.awq_gemm(x192, qw, s, qz, 128, None), "mm192"),
     ]
     if prepared is not None:
         paths.append(("  _awq_gemm_sm90_cuda (kernel op)",

@@ -21,7 +21,8 @@ int main() {
   int g;
   while (std::scanf("%lld %lld %lld %d", &M, &N, &K, &g) == 4) {
     const int c = qa::choose_config(M, N, K, g, 132);
-    std::printf("%d %d %d %lld\n", c, qa::kCosts[c].rows, qa::kCosts[c].tokens, (long long)qa::padded_tokens(M, c));
+    const long long padded = qa::padded_tokens(M, N, K, c, 132);
+    std::printf("%d %d %d %lld\n", c, qa::kCosts[c].rows, qa::kCosts[c].tokens, padded);
   }
 }
 """
@@ -99,8 +100,19 @@ def test_stream_k_counts_fractional_waves(choose):
 
 
 def test_padding_rule(choose):
-    """x is padded to whole token tiles when at least 45% of the last tile would be past M."""
-    for m, n, k, g in ((300, 4096, 4096, 128), (1000, 6144, 4096, 128), (33, 28672, 4096, 128), (129, 384, 1024, 1024)):
+    """x is padded to whole token tiles when at least 45% of the last tile would be past M,
+    on shapes whose calls are long enough for the copy to pay."""
+    for m, n, k, g in ((300, 4096, 4096, 128), (1000, 6144, 4096, 128), (33, 28672, 4096, 128), (33, 4096, 4096, 128),
+                       (129, 4096, 14336, 128), (65, 6144, 4096, 128)):
         c, rows, tokens, padded = choose([(m, n, k, g)])[0]
         whole = -(-m // tokens) * tokens
         assert padded == (whole if (whole - m) * 100 >= tokens * 45 else m), (m, n, k, c, padded)
+
+
+def test_short_calls_are_not_padded(choose):
+    """Where the cost model puts the whole call under kPadMinUs, copying x (an allocation and a
+    copy, about 5 us of host time) costs more than the zero-filled tile: no padding."""
+    queries = [(192, 256, 256, 128), (33, 1024, 1024, 128), (300, 640, 1024, 128), (65, 512, 512, 128)]
+    for (m, *_), (c, _, tokens, padded) in zip(queries, choose(queries)):
+        assert (-(-m // tokens) * tokens - m) * 100 >= tokens * 45, (m, c)  # the fraction alone would pad
+        assert padded == m, (m, c, padded)

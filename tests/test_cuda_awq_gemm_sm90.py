@@ -42,11 +42,13 @@ DTYPES = (torch.float16, torch.bfloat16)
 check = check_sm90
 
 
-def sm90_gemm(x, qweight, scales, qzeros, G, bias=None, config=-1):
+def sm90_gemm(x, qweight, scales, qzeros, G, bias=None, config=-1, pad=-1):
     """x @ W + bias through the private ops: the weight prepared, then the SM90 kernel
-    (``config`` 0..AWQ_SM90_NUM_CONFIGS-1 forces a tile configuration, -1 lets it choose)."""
+    (``config`` 0..AWQ_SM90_NUM_CONFIGS-1 forces a tile configuration, -1 lets it choose;
+    ``pad`` 1 forces the padded copy of x where the last token tile is mostly empty, 0 the
+    zero-filled tile, -1 lets the rule choose)."""
     wq, s, z = torch.ops.quantfuse._awq_prepare_sm90_cuda(qweight, scales, qzeros, G)
-    return torch.ops.quantfuse._awq_gemm_sm90_cuda(x, wq, s, z, G, bias, config)
+    return torch.ops.quantfuse._awq_gemm_sm90_cuda(x, wq, s, z, G, bias, config, pad)
 
 
 def routed_to_sm90(names) -> bool:
@@ -57,7 +59,7 @@ def routed_to_sm90(names) -> bool:
         and "awq_dequantize_kernel" not in text
 
 
-def run_case(M, N, K, group, dtype, seed, bias=False, config=-1):
+def run_case(M, N, K, group, dtype, seed, bias=False, config=-1, pad=-1):
     """The private ops (``config`` forced or chosen); with the chosen config and M above
     AWQ_DECODE_MAX_M also the public op, which the dispatch sends to this kernel."""
     gen = torch.Generator(device=DEV).manual_seed(seed)
@@ -65,11 +67,11 @@ def run_case(M, N, K, group, dtype, seed, bias=False, config=-1):
     x = make_x(M, K, dtype, gen)
     b = (torch.randn(N, generator=gen, device=DEV) * 10).to(dtype) if bias else None
     assert awq_kernel_reason(x, qw, s, qz, G, b) == ""
-    what = f"M={M} N={N} K={K} G={G} {dtype} bias={bias} config={config}"
-    out = sm90_gemm(x, qw, s, qz, G, b, config)
+    what = f"M={M} N={N} K={K} G={G} {dtype} bias={bias} config={config} pad={pad}"
+    out = sm90_gemm(x, qw, s, qz, G, b, config, pad)
     torch.cuda.synchronize()
     check(out, x, q, z, s, G, b, what)
-    if config == -1 and M > AWQ_DECODE_MAX_M:
+    if config == -1 and pad == -1 and M > AWQ_DECODE_MAX_M:
         out = torch.ops.quantfuse.awq_gemm(x, qw, s, qz, G, b)
         check(out, x, q, z, s, G, b, what + ", public op")
 
@@ -117,8 +119,11 @@ def test_each_config(config, dtype):
 @needs_sm90
 def test_token_padding_rule():
     """x is copied into a buffer padded to whole token tiles when at least 45% of the last one
-    would be past its end (awq_gemm_sm90_choice.h: padded_tokens), and only then."""
-    rows = torch.ops.quantfuse._awq_sm90_rows
+    would be past its end and the call is long enough for the copy to pay
+    (awq_gemm_sm90_choice.h: padded_tokens), and only then."""
+    def rows(m, c, n=28672, k=4096):
+        return torch.ops.quantfuse._awq_sm90_rows(m, n, k, c, 132)
+
     assert [rows(m, 1) for m in (1, 33, 70, 71, 100, 128, 129, 200)] == [128, 128, 128, 71, 100, 128, 256, 200]
     assert [rows(m, c) for m, c in ((129, 3), (140, 3), (141, 2), (300, 2), (1000, 3), (1024, 3))] == [
         256, 256, 141, 512, 1000, 1024]
@@ -126,6 +131,9 @@ def test_token_padding_rule():
     assert [rows(m, 5) for m in (1, 88, 89, 161, 300, 320)] == [160, 160, 89, 320, 300, 320]
     assert [rows(m, 10) for m in (123, 124, 225, 448)] == [224, 124, 448, 448]
     assert [rows(m, 13) for m in (1, 33, 35, 36, 48, 64)] == [64, 64, 64, 36, 48, 64]
+    assert rows(33, 13, 4096, 4096) == 64
+    # calls too short for the copy to pay run on the zero-filled tile
+    assert [rows(192, 1, 256, 256), rows(33, 13, 1024, 1024), rows(300, 2, 640, 1024)] == [192, 33, 300]
     with pytest.raises(RuntimeError, match="config in 0..13"):
         rows(1, AWQ_SM90_NUM_CONFIGS)
     assert rows(0, 0) == 0
@@ -141,14 +149,15 @@ def test_config_choice():
     tokens = torch.ops.quantfuse._awq_sm90_rows
     # 4096 x 4096: 160-, 192- and 224-token tiles at M = 320, 384, 448 (128 tiles: one wave)
     assert [choose(m, 4096, 4096, 128, 132) for m in (320, 384, 448, 640, 768)] == [5, 6, 7, 8, 9]
-    assert [tokens(m, choose(m, 4096, 4096, 128, 132)) for m in (320, 384, 448)] == [320, 384, 448]
+    assert [tokens(m, 4096, 4096, choose(m, 4096, 4096, 128, 132)) for m in (320, 384, 448)] == [320, 384, 448]
     assert choose(320, 4096, 4096, 64, 132) not in (1, 5, 6, 7)  # group 64: no 128-deep K tiles
     assert choose(128, 4096, 14336, 128, 132) == 4
     assert choose(128, 4096, 4096, 128, 132) == 1
     # at most 64 tokens: 64-token tiles (a 128-token one would be half padding); up to 128:
     # 128-token tiles (a wider tile would be padding, a narrower one read the weight twice)
     assert all(choose(m, n, 4096, 128, 132) == 13 for m in (33, 48, 64) for n in (4096, 6144, 28672))
-    assert all(tokens(1, choose(m, n, 4096, 128, 132)) == 128 for m in (65, 100, 128) for n in (4096, 6144, 28672))
+    assert all(tokens(1, n, 4096, choose(m, n, 4096, 128, 132)) == 128
+               for m in (65, 100, 128) for n in (4096, 6144, 28672))
     assert choose(64, 4096, 4096, 64, 132) not in (1, 5, 6, 7, 13)  # group 64: no 128-deep K tiles
     assert all(choose(m, 4096, 14336, 128, 132) == 4 for m in (33, 64))  # long K, few tiles: stream-K
     # 4096 x 14336 at M = 1152: stream-K over 128 x 192 tiles rather than 128 x 256 data-parallel
@@ -162,11 +171,14 @@ def test_config_choice():
 @needs_sm90
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_padded_calls(dtype):
-    """Calls that run on a padded copy of x (one token tile mostly empty) give the first M
-    rows, contiguous, with the same bound as every other call; auto and forced configs."""
+    """Calls whose last token tile is mostly empty, run on a padded copy of x (forced: these
+    shapes are short enough for the rule to choose the zero-filled tile) and on the
+    zero-filled tile, give the first M rows, contiguous, with the same bound as every other
+    call; auto and forced configs."""
     for i, M in enumerate((1, 33, 129, 300)):
-        run_case(M, 640, 1024, 128, dtype, seed=70 + i, bias=(i % 2 == 0))
-        run_case(M, 256, 512, -1, dtype, seed=80 + i, config=i % 5)
+        for pad in (-1, 0, 1):
+            run_case(M, 640, 1024, 128, dtype, seed=70 + i, bias=(i % 2 == 0), pad=pad)
+            run_case(M, 256, 512, -1, dtype, seed=80 + i, config=i % 5, pad=pad)
 
 
 @needs_sm90
@@ -180,13 +192,14 @@ def test_padded_rows_do_not_reach_the_output(dtype):
     qw, s, qz, G, q, z = make_awq(K, N, 128, dtype, gen)
     wq, sp, zp = torch.ops.quantfuse._awq_prepare_sm90_cuda(qw, s, qz, G)
     for M, config in ((33, 13), (33, 1), (60, 0), (129, 3)):
-        rows = torch.ops.quantfuse._awq_sm90_rows(M, config)
+        tile = torch.ops.quantfuse._awq_sm90_rows(1, 28672, 4096, config)  # one whole tile
+        rows = -(-M // tile) * tile
         assert rows > M
         x = make_x(M, K, dtype, gen)
         # the caching allocator hands a freed block of the same size out first
         junk = torch.full((rows, K), float("nan"), dtype=dtype, device=DEV)
         del junk
-        out = torch.ops.quantfuse._awq_gemm_sm90_cuda(x, wq, sp, zp, G, None, config)
+        out = torch.ops.quantfuse._awq_gemm_sm90_cuda(x, wq, sp, zp, G, None, config, 1)
         torch.cuda.synchronize()
         check(out, x, q, z, s, G, None, f"M={M} config={config} {dtype}, NaN in the padded rows' block")
 

@@ -98,7 +98,7 @@ at::Tensor awq_gemm_dispatch(const at::Tensor& x_in, const at::Tensor& qweight, 
                                               group_size);
       return std::vector<at::Tensor>{wq, s, z};
     });
-    return awq_gemm_sm90_cuda(dense(x_in), prepared[0], prepared[1], prepared[2], group_size, bias, -1);
+    return awq_gemm_sm90_cuda(dense(x_in), prepared[0], prepared[1], prepared[2], group_size, bias, -1, -1);
   }
   const at::Tensor x = dense(x_in, 8), scales = dense(scales_in), qzeros = dense(qzeros_in);
   if (M <= kKernelMaxM) {

@@ -55,6 +55,16 @@ constexpr TileCost kCosts[kNumConfigs] = {
 // Tokens per tile of a configuration (the kernel's N tile).
 constexpr int64_t token_tile(int config) { return kCosts[config].tokens; }
 
+// The cost model's time (µs) of a call of M tokens under configuration `config`.
+inline double estimated_us(int config, int64_t M, int64_t N, int64_t K, int64_t sms) {
+  const TileCost& t = kCosts[config];
+  const int64_t token_tiles = (M + t.tokens - 1) / t.tokens;
+  const int64_t tiles = ((N + t.rows - 1) / t.rows) * token_tiles;
+  const double waves = t.stream_k ? double(tiles) / double(sms) : double((tiles + sms - 1) / sms);
+  const double waste = M > 0 ? double(token_tiles * t.tokens - M) / double(M) : 0.0;
+  return (waves * t.wave_us * double(K) / 4096.0 + t.fixup_us) * (1.0 + kWasteWeight * waste);
+}
+
 // The configuration that runs by default (sm_count 0: an H100's 132).
 inline int choose_config(int64_t M, int64_t N, int64_t K, int group_size, int sm_count) {
   const int64_t sms = sm_count > 0 ? sm_count : 132;
@@ -64,12 +74,7 @@ inline int choose_config(int64_t M, int64_t N, int64_t K, int group_size, int sm
   for (int c = 0; c < kNumConfigs; ++c) {
     const TileCost& t = kCosts[c];
     if ((t.k128 && !k128_ok) || (M <= 128 && t.tokens > 128) || (t.tokens < 128 && M > t.tokens)) continue;
-    const int64_t token_tiles = (M + t.tokens - 1) / t.tokens;
-    const int64_t tiles = ((N + t.rows - 1) / t.rows) * token_tiles;
-    const double waves = t.stream_k ? double(tiles) / double(sms) : double((tiles + sms - 1) / sms);
-    const double waste = M > 0 ? double(token_tiles * t.tokens - M) / double(M) : 0.0;
-    const double cost = (waves * t.wave_us * double(K) / 4096.0 + t.fixup_us) *
-                        (1.0 + kWasteWeight * waste);
+    const double cost = estimated_us(c, M, N, K, sms);
     if (best_cost < 0.0 || cost < best_cost) best = c, best_cost = cost;
   }
   return best;
@@ -82,10 +87,19 @@ inline int choose_config(int64_t M, int64_t N, int64_t K, int group_size, int sm
 // of the last tile would be past the end, the op copies x into a padded buffer of whole
 // tiles and returns the first M rows of the result.  Below that fraction the copy measured
 // slower than the zero fill (M = 200 and 1000 on the H100).
-constexpr int64_t padded_tokens(int64_t M, int config) {
+// The copy costs the host an allocation and a cudaMemcpyAsync (13 -> 18-20 us per call on the
+// H100) and the GPU a copy (1.1-1.3 us), and pays only on calls long enough for the zero-filled
+// tile's cost to exceed that: on the H100, 4096 x 4096 at M = 192 ran in 17.9 us padded against
+// 23.9, 6144 x 4096 at M = 65 in 17.7 against 27.6, while at 2048 x 2048 and below (cost model
+// 12 us or less) every padded call was 1.1-1.3 us slower on the GPU and 6 us on the host.  So a
+// call the cost model puts under kPadMinUs runs on the zero-filled tile.
+constexpr double kPadMinUs = 15.0;
+inline int64_t padded_tokens(int64_t M, int64_t N, int64_t K, int config, int sm_count,
+                             double min_us = kPadMinUs) {
   const int64_t tile = token_tile(config);
   const int64_t whole = (M + tile - 1) / tile * tile;
-  return (whole - M) * 100 >= tile * 45 ? whole : M;
+  if ((whole - M) * 100 < tile * 45) return M;
+  return estimated_us(config, M, N, K, sm_count > 0 ? sm_count : 132) >= min_us ? whole : M;
 }
 
 }  // namespace awq_sm90

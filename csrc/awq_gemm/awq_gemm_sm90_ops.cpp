@@ -4,7 +4,9 @@
 //   _awq_prepare_sm90_cuda(qweight, scales, qzeros, group_size)
 //       -> (wq uint8 [N, K/2] in the kernel's int4 layout, scales [K/g, N] (a copy),
 //           zeros [K/g, N] = -z * s), once per weight;
-//   _awq_gemm_sm90_cuda(x, wq, scales, zeros, group_size, bias=None, config=-1) -> out [M, N].
+//   _awq_gemm_sm90_cuda(x, wq, scales, zeros, group_size, bias=None, config=-1, pad=-1) -> out [M, N]
+//       (config -1: chosen by awq_gemm_sm90_choice.h; pad -1: its padding rule, 0: never pad,
+//       1: pad whenever the last token tile is at least 45% empty).
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -106,7 +108,7 @@ namespace quantfuse {
 
 at::Tensor awq_gemm_sm90_cuda(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
                               const at::Tensor& zeros, int64_t group_size, const std::optional<at::Tensor>& bias,
-                              int64_t config) {
+                              int64_t config, int64_t pad) {
   check_cuda_contig(x, "x");
   check_cuda_contig(wq, "wq");
   check_cuda_contig(scales, "scales");
@@ -137,13 +139,13 @@ at::Tensor awq_gemm_sm90_cuda(const at::Tensor& x, const at::Tensor& wq, const a
               "quantfuse awq_sm90: sizes too large for 32-bit indexing");
   QF_CHECK(config >= -1 && config < qa::kNumConfigs, "quantfuse awq_sm90: config must be -1 (auto) or 0..%d",
            qa::kNumConfigs - 1);
+  QF_CHECK(pad >= -1 && pad <= 1, "quantfuse awq_sm90: pad must be -1 (the rule), 0 (never) or 1 (always)");
   const c10::cuda::CUDAGuard guard(x.device());
   if (M == 0 || N == 0) return at::empty({M, N}, x.options());
   // The configuration is fixed before padding, so a padded call runs the tiles M would.
-  const int cfg = config >= 0 ? static_cast<int>(config)
-                              : qa::choose_config(M, N, K, static_cast<int>(group_size),
-                                                  quantfuse::sm_count(x.get_device(), 0));
-  int64_t rows = qa::padded_tokens(M, cfg);
+  const int sms = quantfuse::sm_count(x.get_device(), 0);
+  const int cfg = config >= 0 ? static_cast<int>(config) : qa::choose_config(M, N, K, static_cast<int>(group_size), sms);
+  int64_t rows = pad < 0 ? qa::padded_tokens(M, N, K, cfg, sms) : pad == 0 ? M : qa::padded_tokens(M, N, K, cfg, sms, 0.0);
   if (rows * K >= (int64_t(1) << 31) || rows * N >= (int64_t(1) << 31)) rows = M;  // 32-bit indexing
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
   // A padded call copies x into a buffer of `rows` rows with one copy and leaves the rows past M
@@ -191,11 +193,12 @@ int64_t awq_sm90_config(int64_t M, int64_t N, int64_t K, int64_t group_size, int
   return quantfuse::awq_sm90::choose_config(M, N, K, (int)group_size, (int)sm_count);
 }
 
-// The token count a call of M tokens runs at under a configuration (x copied into a buffer padded above M).
-int64_t awq_sm90_rows(int64_t M, int64_t config) {
-  QF_CHECK(M >= 0 && config >= 0 && config < qa::kNumConfigs, "quantfuse awq_sm90: need M >= 0 and config in 0..%d",
-           qa::kNumConfigs - 1);
-  return quantfuse::awq_sm90::padded_tokens(M, (int)config);
+// The token count a call of M tokens runs at under a configuration (x copied into a buffer padded above M);
+// sm_count 0: an H100's 132.
+int64_t awq_sm90_rows(int64_t M, int64_t N, int64_t K, int64_t config, int64_t sm_count) {
+  QF_CHECK(M >= 0 && N > 0 && K > 0 && config >= 0 && config < qa::kNumConfigs,
+           "quantfuse awq_sm90: need M >= 0, N > 0, K > 0 and config in 0..%d", qa::kNumConfigs - 1);
+  return quantfuse::awq_sm90::padded_tokens(M, N, K, (int)config, (int)sm_count);
 }
 
 }  // namespace
@@ -204,9 +207,9 @@ TORCH_LIBRARY_FRAGMENT(quantfuse, m) {
   m.def("_awq_prepare_sm90_cuda(Tensor qweight, Tensor scales, Tensor qzeros, int group_size) "
         "-> (Tensor, Tensor, Tensor)");
   m.def("_awq_gemm_sm90_cuda(Tensor x, Tensor wq, Tensor scales, Tensor zeros, int group_size, Tensor? bias=None, "
-        "int config=-1) -> Tensor");
+        "int config=-1, int pad=-1) -> Tensor");
   m.def("_awq_sm90_config(int M, int N, int K, int group_size, int sm_count=0) -> int", &awq_sm90_config);
-  m.def("_awq_sm90_rows(int M, int config) -> int", &awq_sm90_rows);
+  m.def("_awq_sm90_rows(int M, int N, int K, int config, int sm_count=0) -> int", &awq_sm90_rows);
 }
 
 TORCH_LIBRARY_IMPL(quantfuse, CUDA, m) {

@@ -24,6 +24,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> awq_prepare_sm90_cuda(const at::T
                                                                      const at::Tensor& qzeros, int64_t group_size);
 at::Tensor awq_gemm_sm90_cuda(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
                               const at::Tensor& zeros, int64_t group_size, const std::optional<at::Tensor>& bias,
-                              int64_t config);
+                              int64_t config, int64_t pad);
 
 }  // namespace quantfuse
