@@ -189,6 +189,28 @@ def test_repack_cached_and_invalidated():
     assert stats()[0] == made + 2, (made, stats())
 
 
+def test_freed_weights_values_make_room_for_the_next():
+    """The repack of a weight that has been freed goes before the next miss allocates its own:
+    replacing one model's weights by another's of the same shapes does not hold both repacks."""
+    gen = torch.Generator(device=DEV).manual_seed(6)
+    K, N = 4096, 4096
+    qw, s, qz, G, _, _ = make_awq(K, N, 128, torch.float16, gen)
+    x = make_x(1, K, torch.float16, gen)
+    torch.ops.quantfuse.awq_gemm(x, qw, s, qz, G)  # qw's repack, kept by the cache
+    repack_bytes = qw.nbytes
+    del qw, s, qz
+    qw2, s2, qz2, _, q2, z2 = make_awq(K, N, 128, torch.float16, gen)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = torch.ops.quantfuse.awq_gemm(x, qw2, s2, qz2, G)  # a miss: qw2's repack is made
+    torch.cuda.synchronize()
+    grew = torch.cuda.max_memory_allocated() - before
+    assert grew < repack_bytes // 2, (grew, repack_bytes)  # the freed repack went before the new one came
+    ref, mag = reference64(x, q2, z2, s2, G, exact=op_exact(1, N))
+    check_close(out, ref, mag, torch.float16, "after the freed weight's repack was dropped")
+
+
 @pytest.mark.parametrize("M", (1, 16, 100))
 def test_cuda_graph_replay(M):
     gen = torch.Generator(device=DEV).manual_seed(11 + M)

@@ -81,6 +81,12 @@ bool alive(const Entry& e) {
   return true;
 }
 
+// Entries whose sources are gone can never be served again (their memory may be reused): their
+// values are freed.  Called with g_mutex held.
+void drop_dead_entries() {
+  for (auto it = g_entries.begin(); it != g_entries.end();) it = alive(it->second) ? std::next(it) : g_entries.erase(it);
+}
+
 bool capturing(const at::Tensor& t) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   const cudaError_t err = cudaStreamIsCapturing(at::cuda::getCurrentCUDAStream(t.device().index()).stream(), &status);
@@ -156,6 +162,8 @@ std::vector<at::Tensor> derived_list(int kind, c10::ArrayRef<at::Tensor> sources
       return it->second.values;
     }
     ++g_computed;
+    // A deleted model's values make room for the ones this miss is about to allocate.
+    if (cacheable && !in_capture) drop_dead_entries();
   }
   // While capturing, a value made now belongs to the graph (its pool, its replays).
   if (!cacheable || in_capture) return make();
@@ -166,8 +174,6 @@ std::vector<at::Tensor> derived_list(int kind, c10::ArrayRef<at::Tensor> sources
   entry.versions = std::move(versions);
   entry.values = values;
   std::lock_guard<std::mutex> lock(g_mutex);
-  // Entries whose sources are gone can never be served again (their memory may be reused).
-  for (auto it = g_entries.begin(); it != g_entries.end();) it = alive(it->second) ? std::next(it) : g_entries.erase(it);
   auto old = g_entries.find(key);
   if (old != g_entries.end()) retire(old->second);
   g_entries[key] = std::move(entry);
@@ -215,7 +221,7 @@ void graph_forget(int64_t graph) {
 
 std::vector<int64_t> derived_stats() {
   std::lock_guard<std::mutex> lock(g_mutex);
-  for (auto it = g_entries.begin(); it != g_entries.end();) it = alive(it->second) ? std::next(it) : g_entries.erase(it);
+  drop_dead_entries();
   return {g_computed, g_hits, static_cast<int64_t>(g_entries.size())};
 }
 
