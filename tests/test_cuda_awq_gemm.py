@@ -100,37 +100,6 @@ def test_kernel_forced_splits(splits, cluster):
         check_close(out, ref, mag, dtype, f"splits={splits} cluster={cluster} M={M} N={N} K={K} G={G}")
 
 
-@pytest.mark.parametrize("stages", (2, 3, 4))
-@pytest.mark.parametrize("warps", (4, 8))
-def test_kernel_stages(stages, warps):
-    """Every pipeline depth for one token tile (batches of weights in flight per warp), with K
-    ranges shorter than, equal to and longer than the pipeline, ending inside a batch, starting
-    inside a quantization group, on chip (cluster) and through the workspace."""
-    cases = ((1, 4096, 4096, 128, 4, True), (8, 6144, 4096, 64, 2, False), (3, 4096, 14336, 128, 4, True),
-             (5, 128, 272, -1, 3, False), (1, 640, 1056, 32, 8, True), (2, 256, 64, 32, 1, True))
-    for i, (M, N, K, group, splits, cluster) in enumerate(cases):
-        gen = torch.Generator(device=DEV).manual_seed(41 * stages + 5 * warps + i)
-        dtype = (torch.float16, torch.bfloat16)[(stages + i) % 2]
-        qw, s, qz, G, q, z = make_awq(K, N, group, dtype, gen)
-        x = make_x(M, K, dtype, gen)
-        b = (torch.randn(N, generator=gen, device=DEV) * 10).to(dtype) if i % 2 == 0 else None
-        poison(M * N, dtype)
-        out = torch.ops.quantfuse._awq_gemm_cuda(x, repacked(qw), s, qz, G, b, warps, splits, cluster, stages)
-        torch.cuda.synchronize()
-        ref, mag = reference64(x, q, z, s, G, b, exact=folds(M, N, warps))
-        check_close(out, ref, mag, dtype, f"stages={stages} warps={warps} splits={splits} M={M} N={N} K={K} G={G}")
-
-
-def test_deep_stages_where_strips_are_few():
-    """One token tile runs deeper pipelines where its strips are fewer than the SMs (every Llama
-    shape but the merged gate/up), two stages elsewhere and for more tokens."""
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    stages = torch.ops.quantfuse._awq_gemm_stages
-    assert all(stages(m, n, 0) > 2 for m in (1, 8) for n in (4096, 6144, 64 * (sms - 1)))
-    assert stages(1, 64 * sms, 0) == 2 and stages(1, 28672, 0) == 2
-    assert all(stages(m, 4096, 0) == 2 for m in (9, 16, 32))
-
-
 def test_fold_path_by_shape():
     """The streaming kernel's two paths go where they measured faster on the H100 (csrc:
     fold_path): the fold path for one token tile and for two in 8-warp blocks, the scaled path

@@ -31,12 +31,7 @@ cudaError_t launch_dequantize(DType dtype, const uint32_t* qweight, const void* 
 
 // Number of K splits the GEMM launch will use for this shape: 1..8.
 // warps: warps per block of the GEMM kernel, 4 or 8; 0 = chosen by M and N.
-// stages: batches of weights a warp holds (one used, the others in flight), 2..4 for one token
-// tile (M <= 8), 2 otherwise; 0 = chosen by M and N.
-int gemm_splits(DType dtype, int M, int N, int K, int device, int warps = 0, int stages = 0);
-
-// The stages a launch of this shape runs with (stages as asked, 0 = chosen).
-int gemm_stages(int M, int N, int device, int stages = 0);
+int gemm_splits(DType dtype, int M, int N, int K, int device, int warps = 0);
 
 // Whether the GEMM launch for this shape applies zeros and scales to fp32 accumulators once per
 // group (W = (q - z) * s exactly), or makes (q - z) * s in the activation dtype (rounded once).
@@ -52,7 +47,7 @@ bool gemm_needs_workspace(int splits, int device, bool allow_cluster = true);
 // N % 64 == 0, K % 16 == 0, group_size % 16 == 0, K % group_size == 0; x rows 8-byte aligned.
 cudaError_t launch_gemm(DType dtype, const void* x, const uint32_t* wpacked, const void* scales,
                         const uint32_t* qzeros, const void* bias, void* out, float* partial,
-                        int M, int N, int K, int group_size, int splits, int warps, int stages, int device,
+                        int M, int N, int K, int group_size, int splits, int warps, int device,
                         bool allow_cluster, cudaStream_t stream);
 
 }  // namespace awq

@@ -105,7 +105,7 @@ at::Tensor awq_gemm_dispatch(const at::Tensor& x_in, const at::Tensor& qweight, 
     const auto packed = derived(kAwqRepack, {qweight}, 0, [&] {
       return std::vector<at::Tensor>{awq_repack_cuda(qweight.contiguous())};
     });
-    return awq_gemm_cuda(x, packed[0], scales, qzeros, group_size, bias, 0, 0, true, 0);
+    return awq_gemm_cuda(x, packed[0], scales, qzeros, group_size, bias, 0, 0, true);
   }
   const at::Tensor w = awq_dequantize_cuda(qweight.contiguous(), scales, qzeros, group_size);
   return bias.has_value() ? at::addmm(*bias, x, w) : at::mm(x, w);

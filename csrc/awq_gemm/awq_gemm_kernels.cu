@@ -18,8 +18,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <type_traits>
-#include <utility>
 
 #include "awq_gemm/awq_dequant.cuh"
 #include "awq_gemm/awq_gemm.h"
@@ -55,16 +53,6 @@ namespace {
 #endif
 constexpr int kBatch = QF_AWQ_BATCH;
 
-// f(std::integral_constant<int, i>) for i = 0 .. N-1, unrolled.
-template <typename F, int... I>
-__device__ __forceinline__ void unrolled_seq(F&& f, std::integer_sequence<int, I...>) {
-  (f(std::integral_constant<int, I>{}), ...);
-}
-template <int N, typename F>
-__device__ __forceinline__ void unrolled(F&& f) {
-  unrolled_seq(f, std::make_integer_sequence<int, N>{});
-}
-
 // Weights are read once: a streaming load (evict-first in L1 and L2).
 __device__ __forceinline__ uint4 load_stream(const uint4* p) { return __ldcs(p); }
 
@@ -78,20 +66,11 @@ __device__ __forceinline__ uint4 load_stream(const uint4* p) { return __ldcs(p);
 // 12 (two tiles) or 8 (four) warps per SM.
 // (Landing the weights in a per-warp shared-memory ring by cp.async instead of registers is
 // slower on the H100: more instructions per step.)
-// Stages: the batches a warp holds, one being used while the others are in flight.  Two (the
-// next batch asked for while this one is used) where the grid gives an SM many warps.  Where
-// the strips are fewer than the SMs (N < 64 x the SM count: every Llama shape but the merged
-// gate/up), the grid holds about 8 warps per SM with short K ranges, and one batch in flight per
-// warp leaves DRAM idle (4096 x 14336: 38% busy; 4096 x 4096 at 16 k-steps per warp: 33%).  More
-// stages keep more bytes in flight per warp at 24 registers a batch (16 of weights, 8 of
-// activations), so fewer warps fit per SM: kDeepWarps[stages] (one token tile only).
-constexpr int kMaxStages = 4;
-constexpr int kDeepWarps[kMaxStages + 1] = {0, 0, 0, 12, 8};
 #ifndef QF_AWQ_NT1_WARPS  // measurement knob: resident warps per SM for one token tile
 #define QF_AWQ_NT1_WARPS 16
 #endif
-__host__ __device__ constexpr int min_warps_per_sm(int nt, int w, int stages) {
-  return stages > 2 ? kDeepWarps[stages] : (nt == 1 ? QF_AWQ_NT1_WARPS : (w == 4 ? 16 : (nt == 2 ? 12 : 8)));
+__host__ __device__ constexpr int min_warps_per_sm(int nt, int w) {
+  return nt == 1 ? QF_AWQ_NT1_WARPS : (w == 4 ? 16 : (nt == 2 ? 12 : 8));
 }
 __host__ __device__ constexpr int batch_for(int nt, int w) { return nt > 1 && w == 4 ? 2 : kBatch; }
 
@@ -107,8 +86,8 @@ __host__ __device__ constexpr int batch_for(int nt, int w) { return nt > 1 && w 
 // (28672 x 4096 at 9 <= M <= 32).
 __host__ __device__ constexpr bool fold_path(int nt, int w) { return nt == 1 || (nt == 2 && w == 8); }
 
-template <typename T, int NT, int W, bool CLUSTER, int S>
-__global__ void __launch_bounds__(W * 32, min_warps_per_sm(NT, W, S) / W) awq_gemm_kernel(
+template <typename T, int NT, int W, bool CLUSTER>
+__global__ void __launch_bounds__(W * 32, min_warps_per_sm(NT, W) / W) awq_gemm_kernel(
     const T* __restrict__ x, const uint4* __restrict__ wp, const T* __restrict__ scales,
     const uint32_t* __restrict__ qzeros, const T* __restrict__ bias, T* __restrict__ out,
     float* __restrict__ partial, int M, int N, int K, int group_size) {
@@ -171,8 +150,8 @@ __global__ void __launch_bounds__(W * 32, min_warps_per_sm(NT, W, S) / W) awq_ge
         for (int nt = 0; nt < NT; ++nt) bt.x[u][nt] = k0 + u < we ? load_x(k0 + u, nt) : make_uint2(0u, 0u);
     }
   };
-  Batch bat[S];
-  unrolled<S - 1>([&](auto stage) { load_batch(bat[decltype(stage)::value], wb + decltype(stage)::value * kB); });
+  Batch bat[2];
+  load_batch(bat[0], wb);
   int grp = wb / gsteps;
   int pos = wb - grp * gsteps;  // steps of the current group already behind us
   // Scales and zeros are asked for a group ahead.  fold: the current group's are used when it
@@ -211,26 +190,24 @@ __global__ void __launch_bounds__(W * 32, min_warps_per_sm(NT, W, S) / W) awq_ge
       mma_kstep_scaled<T, NT>(bt.w[u], rows, b, tot);
   };
 
-  // bat[st] holds the batch at kt + st * kB; before using it, each stage asks for the batch
-  // S - 1 after it, into the slot the previous stage has used.  The slots are named by
-  // constants (unrolled), so that the batches stay in registers.
+  // bat[0] holds the batch at kt; each half-iteration asks for the batch after the one it uses.
   int kt = wb;
-  for (; kt + S * kB <= we; kt += S * kB) {
-    unrolled<S>([&](auto stage) {
-      constexpr int st = decltype(stage)::value;
-      load_batch(bat[(st + S - 1) % S], kt + (st + S - 1) * kB);
+  for (; kt + 2 * kB <= we; kt += 2 * kB) {
+    load_batch(bat[1], kt + kB);
 #pragma unroll
-      for (int u = 0; u < kB; ++u) step(bat[st], u, kt + st * kB + u);
-    });
+    for (int u = 0; u < kB; ++u) step(bat[0], u, kt + u);
+    load_batch(bat[0], kt + 2 * kB);
+#pragma unroll
+    for (int u = 0; u < kB; ++u) step(bat[1], u, kt + kB + u);
   }
-  // fewer than S * kB steps left: the batches from kt + S * kB on are past the range
-  load_batch(bat[S - 1], kt + (S - 1) * kB);
-  unrolled<S>([&](auto stage) {
-    constexpr int st = decltype(stage)::value;
+  // fewer than 2 * kB steps left
+  load_batch(bat[1], kt + kB);
 #pragma unroll
-    for (int u = 0; u < kB; ++u)
-      if (kt + st * kB + u < we) step(bat[st], u, kt + st * kB + u);
-  });
+  for (int u = 0; u < kB; ++u)
+    if (kt + u < we) step(bat[0], u, kt + u);
+#pragma unroll
+  for (int u = 0; u < kB; ++u)
+    if (kt + kB + u < we) step(bat[1], u, kt + kB + u);
 
   if constexpr (kFold)
     if (wb < we) fold_group<T, NT>(meta.fold_constants(cur, lane), acc, sx, tot, lane);
@@ -332,12 +309,12 @@ bool cluster_launch(int device) {
   return cached[device] == 2;
 }
 
-template <typename T, int NT, int W, bool CLUSTER, int S>
+template <typename T, int NT, int W, bool CLUSTER>
 int occupancy_of() {
   static int cached = 0;
   if (cached == 0) {
     int n = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, awq_gemm_kernel<T, NT, W, CLUSTER, S>, W * 32, 0) !=
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, awq_gemm_kernel<T, NT, W, CLUSTER>, W * 32, 0) !=
             cudaSuccess || n <= 0)
       n = 1;
     cached = n;
@@ -357,37 +334,25 @@ int warps_for(int warps, int M, int N, int device) {
   return N / kStripN >= 2 * sm_count(device) ? 4 : 8;
 }
 
-// Stages (see kDeepWarps): as asked (2..kMaxStages, one token tile only), else deep ones where
-// one token tile's strips are fewer than the SMs.
-constexpr int kDeepStages = 3;
-int stages_for(int stages, int M, int N, int device) {
-  if (nt_for(M) != 1) return 2;
-  if (stages >= 2 && stages <= kMaxStages) return stages;
-  return N / kStripN < sm_count(device) ? kDeepStages : 2;
-}
-
 template <typename T, int W>
-int occupancy(int nt, int stages) {
-  if (nt == 1)
-    return stages == 4 ? occupancy_of<T, 1, W, false, 4>()
-                       : (stages == 3 ? occupancy_of<T, 1, W, false, 3>() : occupancy_of<T, 1, W, false, 2>());
-  return nt == 2 ? occupancy_of<T, 2, W, false, 2>() : occupancy_of<T, 4, W, false, 2>();
+int occupancy(int nt) {
+  return nt == 1 ? occupancy_of<T, 1, W, false>() : (nt == 2 ? occupancy_of<T, 2, W, false>()
+                                                             : occupancy_of<T, 4, W, false>());
 }
 
 // Memory-bound: one wave of resident blocks, each streaming a contiguous K range.  K is split
 // over blocks (a power of two, at most kMaxCluster) while the blocks fill at most 3/4 of the
-// GPU's block slots (all of them for 8-warp blocks, of which 1-2 fit per SM, and for deep
-// stages, of which 2-3 fit) and each warp keeps at least 8 k-steps: on the H100, more and
-// shorter splits measured slower (cluster scheduling, per-warp pipeline fill).
+// GPU's block slots (all of them for 8-warp blocks, of which 1-2 fit per SM) and each warp
+// keeps at least 8 k-steps: on the H100, more and shorter splits measured slower (cluster
+// scheduling, per-warp pipeline fill).
 template <typename T>
-int splits_for(int M, int N, int K, int device, int warps, int stages) {
+int splits_for(int M, int N, int K, int device, int warps) {
   const int W = warps_for(warps, M, N, device);
   const int nt = nt_for(M);
-  const int S = stages_for(stages, M, N, device);
-  const int occ = W == 8 ? occupancy<T, 8>(nt, S) : occupancy<T, 4>(nt, S);
+  const int occ = W == 8 ? occupancy<T, 8>(nt) : occupancy<T, 4>(nt);
   const int blocks = (N / kStripN) * ((M + 8 * nt - 1) / (8 * nt));
   const int slots = sm_count(device) * occ;
-  const int budget = W == 8 || S > 2 ? slots : slots * 3 / 4;
+  const int budget = W == 8 ? slots : slots * 3 / 4;
   const int steps = K / 16;
   int s = 1;
   while (s * 2 <= kMaxCluster && blocks * s * 2 <= budget && steps / (s * 2 * W) >= 8) s *= 2;
@@ -406,52 +371,44 @@ cudaError_t reduce_splits(cudaError_t launched, const float* partial, const T* b
   return cudaGetLastError();
 }
 
-// One launch's shape and operands.
-struct GemmArgs {
-  const void* x;
-  const uint32_t* wp;
-  const void* scales;
-  const uint32_t* qzeros;
-  const void* bias;
-  void* out;
-  float* partial;
-  int M, N, K, group_size, splits;
-  bool cluster;
-  cudaStream_t stream;
-};
-
-template <typename T, int NT, int W, int S>
-cudaError_t run_gemm(const GemmArgs& a) {
-  const dim3 grid(a.splits, a.N / kStripN, (a.M + 8 * NT - 1) / (8 * NT));
-  const T* xp = static_cast<const T*>(a.x);
-  const uint4* wq = reinterpret_cast<const uint4*>(a.wp);
-  const T* sp = static_cast<const T*>(a.scales);
-  const T* bp = static_cast<const T*>(a.bias);
-  T* op = static_cast<T*>(a.out);
-  if (a.splits > 1 && a.cluster) {
-    const ClusterLaunch launch(grid, dim3(W * 32), 0, a.stream, a.splits);
-    return cudaLaunchKernelEx(&launch.cfg, awq_gemm_kernel<T, NT, W, true, S>, xp, wq, sp, a.qzeros, bp, op,
-                              static_cast<float*>(nullptr), a.M, a.N, a.K, a.group_size);
+template <typename T, int NT, int W>
+cudaError_t run_gemm(const void* x, const uint32_t* wp, const void* scales, const uint32_t* qzeros,
+                     const void* bias, void* out, float* partial, int M, int N, int K, int group_size, int splits,
+                     bool cluster, cudaStream_t stream) {
+  const dim3 grid(splits, N / kStripN, (M + 8 * NT - 1) / (8 * NT));
+  const T* xp = static_cast<const T*>(x);
+  const uint4* wq = reinterpret_cast<const uint4*>(wp);
+  const T* sp = static_cast<const T*>(scales);
+  const T* bp = static_cast<const T*>(bias);
+  T* op = static_cast<T*>(out);
+  if (splits > 1 && cluster) {
+    const ClusterLaunch launch(grid, dim3(W * 32), 0, stream, splits);
+    return cudaLaunchKernelEx(&launch.cfg, awq_gemm_kernel<T, NT, W, true>, xp, wq, sp, qzeros, bp, op,
+                              static_cast<float*>(nullptr), M, N, K, group_size);
   }
-  awq_gemm_kernel<T, NT, W, false, S><<<grid, W * 32, 0, a.stream>>>(
-      xp, wq, sp, a.qzeros, bp, op, a.splits > 1 ? a.partial : nullptr, a.M, a.N, a.K, a.group_size);
-  return reduce_splits<T>(cudaGetLastError(), a.partial, bp, op, a.M, a.N, a.splits, a.stream);
+  awq_gemm_kernel<T, NT, W, false><<<grid, W * 32, 0, stream>>>(xp, wq, sp, qzeros, bp, op,
+                                                                 splits > 1 ? partial : nullptr, M, N, K, group_size);
+  return reduce_splits<T>(cudaGetLastError(), partial, bp, op, M, N, splits, stream);
 }
 
 template <typename T, int W>
-cudaError_t gemm_warps(const GemmArgs& a, int stages) {
-  switch (nt_for(a.M)) {
-    case 1:
-      return stages == 4 ? run_gemm<T, 1, W, 4>(a) : (stages == 3 ? run_gemm<T, 1, W, 3>(a) : run_gemm<T, 1, W, 2>(a));
-    case 2: return run_gemm<T, 2, W, 2>(a);
-    default: return run_gemm<T, 4, W, 2>(a);
+cudaError_t gemm_warps(const void* x, const uint32_t* wp, const void* scales, const uint32_t* qzeros,
+                       const void* bias, void* out, float* partial, int M, int N, int K, int group_size, int splits,
+                       bool cluster, cudaStream_t stream) {
+  switch (nt_for(M)) {
+    case 1: return run_gemm<T, 1, W>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, stream);
+    case 2: return run_gemm<T, 2, W>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, stream);
+    default: return run_gemm<T, 4, W>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, stream);
   }
 }
 
 template <typename T>
-cudaError_t gemm_dtype(const GemmArgs& a, int warps, int stages, int device) {
-  const int S = stages_for(stages, a.M, a.N, device);
-  return warps_for(warps, a.M, a.N, device) == 8 ? gemm_warps<T, 8>(a, S) : gemm_warps<T, 4>(a, S);
+cudaError_t gemm_dtype(const void* x, const uint32_t* wp, const void* scales, const uint32_t* qzeros,
+                       const void* bias, void* out, float* partial, int M, int N, int K, int group_size, int splits,
+                       int warps, bool cluster, int device, cudaStream_t stream) {
+  if (warps_for(warps, M, N, device) == 8)
+    return gemm_warps<T, 8>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, stream);
+  return gemm_warps<T, 4>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, stream);
 }
 
 unsigned grid_for(size_t work, int threads) {
@@ -482,12 +439,10 @@ cudaError_t launch_dequantize(DType dtype, const uint32_t* qweight, const void* 
   return cudaGetLastError();
 }
 
-int gemm_splits(DType dtype, int M, int N, int K, int device, int warps, int stages) {
-  return dtype == DType::kHalf ? splits_for<__half>(M, N, K, device, warps, stages)
-                               : splits_for<__nv_bfloat16>(M, N, K, device, warps, stages);
+int gemm_splits(DType dtype, int M, int N, int K, int device, int warps) {
+  return dtype == DType::kHalf ? splits_for<__half>(M, N, K, device, warps)
+                               : splits_for<__nv_bfloat16>(M, N, K, device, warps);
 }
-
-int gemm_stages(int M, int N, int device, int stages) { return stages_for(stages, M, N, device); }
 
 bool gemm_folds(int M, int N, int device, int warps) { return fold_path(nt_for(M), warps_for(warps, M, N, device)); }
 
@@ -497,15 +452,16 @@ bool gemm_needs_workspace(int splits, int device, bool allow_cluster) {
 
 cudaError_t launch_gemm(DType dtype, const void* x, const uint32_t* wpacked, const void* scales,
                         const uint32_t* qzeros, const void* bias, void* out, float* partial, int M, int N, int K,
-                        int group_size, int splits, int warps, int stages, int device, bool allow_cluster,
-                        cudaStream_t stream) {
+                        int group_size, int splits, int warps, int device, bool allow_cluster, cudaStream_t stream) {
   if (M <= 0) return cudaSuccess;
   if (splits < 1 || splits > kMaxCluster) return cudaErrorInvalidValue;
   const bool cluster = splits > 1 && !gemm_needs_workspace(splits, device, allow_cluster);
   if (splits > 1 && !cluster && partial == nullptr) return cudaErrorInvalidValue;
-  const GemmArgs a{x, wpacked, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, stream};
-  return dtype == DType::kHalf ? gemm_dtype<__half>(a, warps, stages, device)
-                               : gemm_dtype<__nv_bfloat16>(a, warps, stages, device);
+  if (dtype == DType::kHalf)
+    return gemm_dtype<__half>(x, wpacked, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, warps,
+                              cluster, device, stream);
+  return gemm_dtype<__nv_bfloat16>(x, wpacked, scales, qzeros, bias, out, partial, M, N, K, group_size, splits,
+                                   warps, cluster, device, stream);
 }
 
 }  // namespace awq

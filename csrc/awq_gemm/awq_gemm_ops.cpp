@@ -112,11 +112,9 @@ namespace quantfuse {
 
 at::Tensor awq_gemm_cuda(const at::Tensor& x, const at::Tensor& wpacked, const at::Tensor& scales,
                          const at::Tensor& qzeros, int64_t group_size, const std::optional<at::Tensor>& bias,
-                         int64_t warps, int64_t splits, bool cluster, int64_t stages) {
+                         int64_t warps, int64_t splits, bool cluster) {
   QF_CHECK(warps == 0 || warps == 4 || warps == 8, "quantfuse awq_gemm: warps must be 0, 4 or 8, got %lld",
            (long long)warps);
-  QF_CHECK(stages == 0 || (stages >= 2 && stages <= 4), "quantfuse awq_gemm: stages must be 0 (automatic) or 2..4, got %lld",
-           (long long)stages);
   QF_CHECK(splits >= 0 && splits <= 8, "quantfuse awq_gemm: splits must be 0 (automatic) or 1..8, got %lld",
            (long long)splits);
   check_cuda_contig(x, "x");
@@ -151,16 +149,14 @@ at::Tensor awq_gemm_cuda(const at::Tensor& x, const at::Tensor& wpacked, const a
   if (K == 0) return bias.has_value() ? bias->unsqueeze(0).expand({M, N}).contiguous() : out.zero_();
   const int device = x.get_device();
   const int nsplit =
-      splits > 0 ? (int)splits
-                 : quantfuse::awq::gemm_splits(dt, (int)M, (int)N, (int)K, device, (int)warps, (int)stages);
+      splits > 0 ? (int)splits : quantfuse::awq::gemm_splits(dt, (int)M, (int)N, (int)K, device, (int)warps);
   at::Tensor partial;
   if (quantfuse::awq::gemm_needs_workspace(nsplit, device, cluster))
     partial = at::empty({nsplit, M, N}, x.options().dtype(at::kFloat));
   check_launch(quantfuse::awq::launch_gemm(dt, x.data_ptr(), reinterpret_cast<const uint32_t*>(wpacked.data_ptr<int32_t>()),
                                            scales.data_ptr(), reinterpret_cast<const uint32_t*>(qzeros.data_ptr<int32_t>()),
                                            bias_ptr, out.data_ptr(), partial.defined() ? partial.data_ptr<float>() : nullptr,
-                                           (int)M, (int)N, (int)K, (int)group_size, nsplit, (int)warps, (int)stages,
-                                           device, cluster,
+                                           (int)M, (int)N, (int)K, (int)group_size, nsplit, (int)warps, device, cluster,
                                            at::cuda::getCurrentCUDAStream()),
                "awq_gemm");
   return out;
@@ -170,13 +166,9 @@ at::Tensor awq_gemm_cuda(const at::Tensor& x, const at::Tensor& wpacked, const a
 
 namespace {
 
-int64_t awq_gemm_splits(int64_t M, int64_t N, int64_t K, bool bf16, int64_t device, int64_t warps, int64_t stages) {
+int64_t awq_gemm_splits(int64_t M, int64_t N, int64_t K, bool bf16, int64_t device, int64_t warps) {
   return quantfuse::awq::gemm_splits(bf16 ? DType::kBFloat16 : DType::kHalf, (int)M, (int)N, (int)K, (int)device,
-                                     (int)warps, (int)stages);
-}
-
-int64_t awq_gemm_stages(int64_t M, int64_t N, int64_t device) {
-  return quantfuse::awq::gemm_stages((int)M, (int)N, (int)device);
+                                     (int)warps);
 }
 
 bool awq_gemm_folds(int64_t M, int64_t N, int64_t device, int64_t warps) {
@@ -189,10 +181,8 @@ TORCH_LIBRARY_FRAGMENT(quantfuse, m) {
   m.def("_awq_repack_cuda(Tensor qweight) -> Tensor");
   m.def("_awq_dequantize_cuda(Tensor qweight, Tensor scales, Tensor qzeros, int group_size) -> Tensor");
   m.def("_awq_gemm_cuda(Tensor x, Tensor wpacked, Tensor scales, Tensor qzeros, int group_size, "
-        "Tensor? bias=None, int warps=0, int splits=0, bool cluster=True, int stages=0) -> Tensor");
-  m.def("_awq_gemm_splits(int M, int N, int K, bool bf16, int device, int warps=0, int stages=0) -> int",
-        &awq_gemm_splits);
-  m.def("_awq_gemm_stages(int M, int N, int device) -> int", &awq_gemm_stages);
+        "Tensor? bias=None, int warps=0, int splits=0, bool cluster=True) -> Tensor");
+  m.def("_awq_gemm_splits(int M, int N, int K, bool bf16, int device, int warps=0) -> int", &awq_gemm_splits);
   m.def("_awq_gemm_folds(int M, int N, int device, int warps=0) -> bool", &awq_gemm_folds);
 }
 

@@ -17,7 +17,7 @@ at::Tensor awq_dequantize_cuda(const at::Tensor& qweight, const at::Tensor& scal
 // The weight-streaming kernel on a repacked weight; warps/splits 0 = chosen.
 at::Tensor awq_gemm_cuda(const at::Tensor& x, const at::Tensor& wpacked, const at::Tensor& scales,
                          const at::Tensor& qzeros, int64_t group_size, const std::optional<at::Tensor>& bias,
-                         int64_t warps, int64_t splits, bool cluster, int64_t stages);
+                         int64_t warps, int64_t splits, bool cluster);
 // Hopper prefill: (wq, scales, zeros) prepared once per weight, then the CUTLASS kernel.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> awq_prepare_sm90_cuda(const at::Tensor& qweight,
                                                                      const at::Tensor& scales,
