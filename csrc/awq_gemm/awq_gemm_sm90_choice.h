@@ -87,12 +87,13 @@ inline int choose_config(int64_t M, int64_t N, int64_t K, int group_size, int sm
 // of the last tile would be past the end, the op copies x into a padded buffer of whole
 // tiles and returns the first M rows of the result.  Below that fraction the copy measured
 // slower than the zero fill (M = 200 and 1000 on the H100).
-// The copy costs the host an allocation and a cudaMemcpyAsync (13 -> 18-20 us per call on the
-// H100) and the GPU a copy (1.1-1.3 us), and pays only on calls long enough for the zero-filled
-// tile's cost to exceed that: on the H100, 4096 x 4096 at M = 192 ran in 17.9 us padded against
-// 23.9, 6144 x 4096 at M = 65 in 17.7 against 27.6, while at 2048 x 2048 and below (cost model
-// 12 us or less) every padded call was 1.1-1.3 us slower on the GPU and 6 us on the host.  So a
-// call the cost model puts under kPadMinUs runs on the zero-filled tile.
+// The copy costs the host an allocation and a cudaMemcpyAsync (on the H100 a call takes 18-20 us
+// of host time padded, 13 unpadded) and the GPU a copy (1.1-1.3 us), and pays only on calls long
+// enough for the zero-filled tile's cost to exceed that: on the H100, 4096 x 4096 at M = 192 ran
+// in 17.9 us padded against 23.9, 6144 x 4096 at M = 65 in 17.7 against 27.6, while at
+// 2048 x 2048 and below (cost model 12 us or less) every padded call was 1.1-1.3 us slower on the
+// GPU and 6 us on the host.  So a call the cost model puts under kPadMinUs runs on the
+// zero-filled tile.
 constexpr double kPadMinUs = 15.0;
 inline int64_t padded_tokens(int64_t M, int64_t N, int64_t K, int config, int sm_count,
                              double min_us = kPadMinUs) {
