@@ -111,7 +111,7 @@ def test_padding_rule(choose):
 
 def test_short_calls_are_not_padded(choose):
     """Where the cost model puts the whole call under kPadMinUs, copying x (an allocation and a
-    copy, about 5 us of host time) costs more than the zero-filled tile: no padding."""
+    copy, about 6 us of host time) costs more than the zero-filled tile: no padding."""
     queries = [(192, 256, 256, 128), (33, 1024, 1024, 128), (300, 640, 1024, 128), (65, 512, 512, 128)]
     for (m, *_), (c, _, tokens, padded) in zip(queries, choose(queries)):
         assert (-(-m // tokens) * tokens - m) * 100 >= tokens * 45, (m, c)  # the fraction alone would pad
