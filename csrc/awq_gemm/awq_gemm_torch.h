@@ -7,6 +7,8 @@
 #include <optional>
 #include <tuple>
 
+#include "common/l2_prefetch.h"
+
 namespace quantfuse {
 
 // qweight [K, N/8] (AWQ order) -> the decode kernel's fragment layout.
@@ -14,10 +16,11 @@ at::Tensor awq_repack_cuda(const at::Tensor& qweight);
 // [K, N] = (q - z) * s in the dtype of scales.
 at::Tensor awq_dequantize_cuda(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& qzeros,
                                int64_t group_size);
-// The weight-streaming kernel on a repacked weight; warps/splits 0 = chosen.
+// The weight-streaming kernel on a repacked weight; warps/splits 0 = chosen.  prefetch: what the
+// kernel asks into L2 once its weights are streamed (the next linear's; common/l2_prefetch.h).
 at::Tensor awq_gemm_cuda(const at::Tensor& x, const at::Tensor& wpacked, const at::Tensor& scales,
                          const at::Tensor& qzeros, int64_t group_size, const std::optional<at::Tensor>& bias,
-                         int64_t warps, int64_t splits, bool cluster);
+                         int64_t warps, int64_t splits, bool cluster, const L2Prefetch& prefetch = {});
 // Hopper prefill: (wq, scales, zeros) prepared once per weight, then the CUTLASS kernel.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> awq_prepare_sm90_cuda(const at::Tensor& qweight,
                                                                      const at::Tensor& scales,
