@@ -111,9 +111,6 @@ def parse_args(argv=None):
     ap.add_argument("--cold-compile", action="store_true",
                     help="fresh Inductor and Triton cache directories and no Inductor caches: compile times "
                          "from nothing (run one config per invocation: a process reuses its own kernels)")
-    ap.add_argument("--no-next-weights", action="store_true",
-                    help="decode kernels without the L2 hint of the next linear's weights "
-                         "(csrc/common/next_weights.h), to measure what it gives")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--quick", action="store_true", help="smoke test: 2 layers, short prompts, few steps")
     ap.add_argument("--seed", type=int, default=0)
@@ -683,9 +680,6 @@ def warm_up(args, meta: dict):
             w["extension_loaded"] = bool(ok)
             w["extension_status"] = {k: str(v)[:300] for k, v in kernels.status().items()}
             log(f"quantfuse extension loaded={ok} in {w['extension_load_s']:.1f} s")
-            if ok and args.no_next_weights:
-                torch.ops.quantfuse._next_weights_enable(False)
-                log("decode kernels without the L2 hint of the next linear's weights")
         lin = quantize_model(nn.Sequential(nn.Linear(256, 256, bias=False)).to(dev, x.dtype), "int8")
         with torch.no_grad():
             _, w["first_quantfuse_compile_s"] = timer(lambda: torch.compile(lin, backend="quantfuse")(x))

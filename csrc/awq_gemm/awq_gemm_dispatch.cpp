@@ -3,9 +3,7 @@
 // (thresholds measured on an H100):
 //
 // * M <= kDecodeMaxM: the weight-streaming tensor-core kernel (awq_gemm_strip.cuh) on the
-//   weight in its fragment layout, repacked once per weight (common/derived_cache.h), asking
-//   the L2 for the next decode launch's weights once it has streamed its own
-//   (common/next_weights.h);
+//   weight in its fragment layout, repacked once per weight (common/derived_cache.h);
 // * larger M on Hopper, where it takes the shape (group size a multiple of 64 or per-channel,
 //   K % 64, N % 128): the CUTLASS mixed-input kernel (awq_gemm_sm90.cuh) on the weight
 //   prepared once per weight; its tile configuration is chosen by awq_gemm_sm90_choice.h;
@@ -27,7 +25,6 @@
 #include "awq_gemm/awq_gemm_sm90.h"
 #include "awq_gemm/awq_gemm_torch.h"
 #include "common/derived_cache.h"
-#include "common/next_weights.h"
 #include "common/reference.h"
 
 namespace quantfuse {
@@ -101,7 +98,6 @@ at::Tensor awq_gemm_dispatch(const at::Tensor& x_in, const at::Tensor& qweight, 
                                               group_size);
       return std::vector<at::Tensor>{wq, s, z};
     });
-    next_weights_break(x_in.device());
     return awq_gemm_sm90_cuda(dense(x_in), prepared[0], prepared[1], prepared[2], group_size, bias, -1, -1);
   }
   const at::Tensor x = dense(x_in, 8), scales = dense(scales_in), qzeros = dense(qzeros_in);
@@ -109,9 +105,8 @@ at::Tensor awq_gemm_dispatch(const at::Tensor& x_in, const at::Tensor& qweight, 
     const auto packed = derived(kAwqRepack, {qweight}, 0, [&] {
       return std::vector<at::Tensor>{awq_repack_cuda(qweight.contiguous())};
     });
-    return awq_gemm_cuda(x, packed[0], scales, qzeros, group_size, bias, 0, 0, true, next_weights_hint(packed[0]));
+    return awq_gemm_cuda(x, packed[0], scales, qzeros, group_size, bias, 0, 0, true);
   }
-  next_weights_break(x_in.device());
   const at::Tensor w = awq_dequantize_cuda(qweight.contiguous(), scales, qzeros, group_size);
   return bias.has_value() ? at::addmm(*bias, x, w) : at::mm(x, w);
 }

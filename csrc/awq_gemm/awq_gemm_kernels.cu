@@ -23,7 +23,6 @@
 #include "awq_gemm/awq_gemm.h"
 #include "awq_gemm/awq_gemm_strip.cuh"
 #include "common/cluster_launch.h"
-#include "common/l2_prefetch.h"
 #include "common/sm_count.h"
 
 namespace quantfuse {
@@ -91,7 +90,7 @@ template <typename T, int NT, int W, bool CLUSTER>
 __global__ void __launch_bounds__(W * 32, min_warps_per_sm(NT, W) / W) awq_gemm_kernel(
     const T* __restrict__ x, const uint4* __restrict__ wp, const T* __restrict__ scales,
     const uint32_t* __restrict__ qzeros, const T* __restrict__ bias, T* __restrict__ out,
-    float* __restrict__ partial, int M, int N, int K, int group_size, L2Prefetch prefetch) {
+    float* __restrict__ partial, int M, int N, int K, int group_size) {
   constexpr bool kFold = fold_path(NT, W);
   __shared__ __align__(16) float red[red_floats(NT)];
 
@@ -210,11 +209,6 @@ __global__ void __launch_bounds__(W * 32, min_warps_per_sm(NT, W) / W) awq_gemm_
   for (int u = 0; u < kB; ++u)
     if (kt + kB + u < we) step(bat[1], u, kt + kB + u);
 
-  // Every load of this warp is issued: DRAM may start on the next weights.
-  if (lane == 0) {
-    const uint32_t block = (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
-    l2_prefetch_share(prefetch, block * W + warp, gridDim.x * gridDim.y * gridDim.z * W);
-  }
   if constexpr (kFold)
     if (wb < we) fold_group<T, NT>(meta.fold_constants(cur, lane), acc, sx, tot, lane);
   __syncthreads();  // red zeroed by every thread
@@ -380,7 +374,7 @@ cudaError_t reduce_splits(cudaError_t launched, const float* partial, const T* b
 template <typename T, int NT, int W>
 cudaError_t run_gemm(const void* x, const uint32_t* wp, const void* scales, const uint32_t* qzeros,
                      const void* bias, void* out, float* partial, int M, int N, int K, int group_size, int splits,
-                     bool cluster, L2Prefetch prefetch, cudaStream_t stream) {
+                     bool cluster, cudaStream_t stream) {
   const dim3 grid(splits, N / kStripN, (M + 8 * NT - 1) / (8 * NT));
   const T* xp = static_cast<const T*>(x);
   const uint4* wq = reinterpret_cast<const uint4*>(wp);
@@ -390,31 +384,31 @@ cudaError_t run_gemm(const void* x, const uint32_t* wp, const void* scales, cons
   if (splits > 1 && cluster) {
     const ClusterLaunch launch(grid, dim3(W * 32), 0, stream, splits);
     return cudaLaunchKernelEx(&launch.cfg, awq_gemm_kernel<T, NT, W, true>, xp, wq, sp, qzeros, bp, op,
-                              static_cast<float*>(nullptr), M, N, K, group_size, prefetch);
+                              static_cast<float*>(nullptr), M, N, K, group_size);
   }
   awq_gemm_kernel<T, NT, W, false><<<grid, W * 32, 0, stream>>>(xp, wq, sp, qzeros, bp, op,
-                                                                 splits > 1 ? partial : nullptr, M, N, K, group_size, prefetch);
+                                                                 splits > 1 ? partial : nullptr, M, N, K, group_size);
   return reduce_splits<T>(cudaGetLastError(), partial, bp, op, M, N, splits, stream);
 }
 
 template <typename T, int W>
 cudaError_t gemm_warps(const void* x, const uint32_t* wp, const void* scales, const uint32_t* qzeros,
                        const void* bias, void* out, float* partial, int M, int N, int K, int group_size, int splits,
-                       bool cluster, L2Prefetch prefetch, cudaStream_t stream) {
+                       bool cluster, cudaStream_t stream) {
   switch (nt_for(M)) {
-    case 1: return run_gemm<T, 1, W>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, prefetch, stream);
-    case 2: return run_gemm<T, 2, W>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, prefetch, stream);
-    default: return run_gemm<T, 4, W>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, prefetch, stream);
+    case 1: return run_gemm<T, 1, W>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, stream);
+    case 2: return run_gemm<T, 2, W>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, stream);
+    default: return run_gemm<T, 4, W>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, stream);
   }
 }
 
 template <typename T>
 cudaError_t gemm_dtype(const void* x, const uint32_t* wp, const void* scales, const uint32_t* qzeros,
                        const void* bias, void* out, float* partial, int M, int N, int K, int group_size, int splits,
-                       int warps, bool cluster, int device, L2Prefetch prefetch, cudaStream_t stream) {
+                       int warps, bool cluster, int device, cudaStream_t stream) {
   if (warps_for(warps, M, N, device) == 8)
-    return gemm_warps<T, 8>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, prefetch, stream);
-  return gemm_warps<T, 4>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, prefetch, stream);
+    return gemm_warps<T, 8>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, stream);
+  return gemm_warps<T, 4>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, stream);
 }
 
 unsigned grid_for(size_t work, int threads) {
@@ -458,17 +452,16 @@ bool gemm_needs_workspace(int splits, int device, bool allow_cluster) {
 
 cudaError_t launch_gemm(DType dtype, const void* x, const uint32_t* wpacked, const void* scales,
                         const uint32_t* qzeros, const void* bias, void* out, float* partial, int M, int N, int K,
-                        int group_size, int splits, int warps, int device, bool allow_cluster, L2Prefetch prefetch,
-                        cudaStream_t stream) {
+                        int group_size, int splits, int warps, int device, bool allow_cluster, cudaStream_t stream) {
   if (M <= 0) return cudaSuccess;
   if (splits < 1 || splits > kMaxCluster) return cudaErrorInvalidValue;
   const bool cluster = splits > 1 && !gemm_needs_workspace(splits, device, allow_cluster);
   if (splits > 1 && !cluster && partial == nullptr) return cudaErrorInvalidValue;
   if (dtype == DType::kHalf)
     return gemm_dtype<__half>(x, wpacked, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, warps,
-                              cluster, device, prefetch, stream);
+                              cluster, device, stream);
   return gemm_dtype<__nv_bfloat16>(x, wpacked, scales, qzeros, bias, out, partial, M, N, K, group_size, splits,
-                                   warps, cluster, device, prefetch, stream);
+                                   warps, cluster, device, stream);
 }
 
 }  // namespace awq

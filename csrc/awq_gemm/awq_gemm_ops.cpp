@@ -14,7 +14,6 @@
 #include "awq_gemm/awq_gemm.h"
 #include "awq_gemm/awq_gemm_torch.h"
 #include "common/check.h"
-#include "common/l2_prefetch_torch.h"
 
 namespace {
 
@@ -106,14 +105,14 @@ at::Tensor awq_dequantize_cuda(const at::Tensor& qweight, const at::Tensor& scal
 
 namespace {
 
+// x [M, K] @ W (repacked by awq_repack_cuda) + bias.
 }  // namespace
 
 namespace quantfuse {
 
-// x [M, K] @ W (repacked by awq_repack_cuda) + bias.
 at::Tensor awq_gemm_cuda(const at::Tensor& x, const at::Tensor& wpacked, const at::Tensor& scales,
                          const at::Tensor& qzeros, int64_t group_size, const std::optional<at::Tensor>& bias,
-                         int64_t warps, int64_t splits, bool cluster, const L2Prefetch& prefetch) {
+                         int64_t warps, int64_t splits, bool cluster) {
   QF_CHECK(warps == 0 || warps == 4 || warps == 8, "quantfuse awq_gemm: warps must be 0, 4 or 8, got %lld",
            (long long)warps);
   QF_CHECK(splits >= 0 && splits <= 8, "quantfuse awq_gemm: splits must be 0 (automatic) or 1..8, got %lld",
@@ -158,7 +157,7 @@ at::Tensor awq_gemm_cuda(const at::Tensor& x, const at::Tensor& wpacked, const a
                                            scales.data_ptr(), reinterpret_cast<const uint32_t*>(qzeros.data_ptr<int32_t>()),
                                            bias_ptr, out.data_ptr(), partial.defined() ? partial.data_ptr<float>() : nullptr,
                                            (int)M, (int)N, (int)K, (int)group_size, nsplit, (int)warps, device, cluster,
-                                           prefetch, at::cuda::getCurrentCUDAStream()),
+                                           at::cuda::getCurrentCUDAStream()),
                "awq_gemm");
   return out;
 }
@@ -166,15 +165,6 @@ at::Tensor awq_gemm_cuda(const at::Tensor& x, const at::Tensor& wpacked, const a
 }  // namespace quantfuse
 
 namespace {
-
-// The private op: the kernel with the L2 hint given as a tensor (tests, benchmarks).
-at::Tensor awq_gemm_cuda_op(const at::Tensor& x, const at::Tensor& wpacked, const at::Tensor& scales,
-                            const at::Tensor& qzeros, int64_t group_size, const std::optional<at::Tensor>& bias,
-                            int64_t warps, int64_t splits, bool cluster, const std::optional<at::Tensor>& prefetch,
-                            int64_t prefetch_bytes) {
-  return quantfuse::awq_gemm_cuda(x, wpacked, scales, qzeros, group_size, bias, warps, splits, cluster,
-                                  quantfuse::l2_prefetch_of(prefetch, prefetch_bytes, x.device()));
-}
 
 int64_t awq_gemm_splits(int64_t M, int64_t N, int64_t K, bool bf16, int64_t device, int64_t warps) {
   return quantfuse::awq::gemm_splits(bf16 ? DType::kBFloat16 : DType::kHalf, (int)M, (int)N, (int)K, (int)device,
@@ -191,8 +181,7 @@ TORCH_LIBRARY_FRAGMENT(quantfuse, m) {
   m.def("_awq_repack_cuda(Tensor qweight) -> Tensor");
   m.def("_awq_dequantize_cuda(Tensor qweight, Tensor scales, Tensor qzeros, int group_size) -> Tensor");
   m.def("_awq_gemm_cuda(Tensor x, Tensor wpacked, Tensor scales, Tensor qzeros, int group_size, "
-        "Tensor? bias=None, int warps=0, int splits=0, bool cluster=True, Tensor? prefetch=None, "
-        "int prefetch_bytes=-1) -> Tensor");
+        "Tensor? bias=None, int warps=0, int splits=0, bool cluster=True) -> Tensor");
   m.def("_awq_gemm_splits(int M, int N, int K, bool bf16, int device, int warps=0) -> int", &awq_gemm_splits);
   m.def("_awq_gemm_folds(int M, int N, int device, int warps=0) -> bool", &awq_gemm_folds);
 }
@@ -200,5 +189,5 @@ TORCH_LIBRARY_FRAGMENT(quantfuse, m) {
 TORCH_LIBRARY_IMPL(quantfuse, CUDA, m) {
   m.impl("_awq_repack_cuda", &quantfuse::awq_repack_cuda);
   m.impl("_awq_dequantize_cuda", &quantfuse::awq_dequantize_cuda);
-  m.impl("_awq_gemm_cuda", &awq_gemm_cuda_op);
+  m.impl("_awq_gemm_cuda", &quantfuse::awq_gemm_cuda);
 }

@@ -7,8 +7,6 @@
 #include <optional>
 #include <tuple>
 
-#include "common/l2_prefetch.h"
-
 namespace quantfuse {
 
 // qweight [K, N/8] (AWQ order) -> the decode kernel's fragment layout.
@@ -16,11 +14,10 @@ at::Tensor awq_repack_cuda(const at::Tensor& qweight);
 // [K, N] = (q - z) * s in the dtype of scales.
 at::Tensor awq_dequantize_cuda(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& qzeros,
                                int64_t group_size);
-// The weight-streaming kernel on a repacked weight; warps/splits 0 = chosen.  prefetch: what the
-// kernel asks into L2 once its weights are streamed (the next linear's; common/l2_prefetch.h).
+// The weight-streaming kernel on a repacked weight; warps/splits 0 = chosen.
 at::Tensor awq_gemm_cuda(const at::Tensor& x, const at::Tensor& wpacked, const at::Tensor& scales,
                          const at::Tensor& qzeros, int64_t group_size, const std::optional<at::Tensor>& bias,
-                         int64_t warps, int64_t splits, bool cluster, const L2Prefetch& prefetch = {});
+                         int64_t warps, int64_t splits, bool cluster);
 // Hopper prefill: (wq, scales, zeros) prepared once per weight, then the CUTLASS kernel.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> awq_prepare_sm90_cuda(const at::Tensor& qweight,
                                                                      const at::Tensor& scales,

@@ -42,8 +42,6 @@ struct GraphRead {
   std::vector<int64_t> versions;
 };
 std::map<int64_t, std::map<std::vector<int64_t>, GraphRead>> g_graph_reads;
-// Tensors each such graph reads by raw pointer outside the values above (keep_for_graph).
-std::map<int64_t, std::vector<c10::Storage>> g_graph_keeps;
 // The compiled graph this thread runs (graph_enter), 0 outside one.
 thread_local int64_t t_graph = 0;
 
@@ -219,17 +217,6 @@ void graph_exit() { t_graph = 0; }
 void graph_forget(int64_t graph) {
   std::lock_guard<std::mutex> lock(g_mutex);
   g_graph_reads.erase(graph);
-  g_graph_keeps.erase(graph);
-}
-
-bool keep_for_graph(const c10::Storage& storage) {
-  if (t_graph == 0) return false;
-  std::lock_guard<std::mutex> lock(g_mutex);
-  auto& kept = g_graph_keeps[t_graph];
-  for (const auto& k : kept)
-    if (k.is_alias_of(storage)) return true;
-  kept.push_back(storage);
-  return true;
 }
 
 std::vector<int64_t> derived_stats() {

@@ -16,7 +16,6 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
-#include <c10/core/Storage.h>
 #include <c10/util/ArrayRef.h>
 
 #include <cstdint>
@@ -53,11 +52,6 @@ void clear_derived();
 void graph_enter(int64_t graph);
 void graph_exit();
 void graph_forget(int64_t graph);
-
-// While this thread runs a graph entered with graph_enter, keeps `storage` alive until that graph
-// is forgotten (a captured graph may read it through a raw pointer) and returns true; outside
-// one, false (nothing kept).
-bool keep_for_graph(const c10::Storage& storage);
 
 // {values made, values served from the cache, live entries}.
 std::vector<int64_t> derived_stats();

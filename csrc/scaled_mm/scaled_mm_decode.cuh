@@ -49,7 +49,6 @@
 
 #include "common/cluster_launch.h"
 #include "common/decode_reduce.cuh"
-#include "common/l2_prefetch.h"
 #include "common/mma.cuh"
 #include "common/stream_load.h"
 #include "scaled_mm/scaled_mm_decode.h"
@@ -180,7 +179,6 @@ struct KernelArgs {
   int64_t lda, ldb, ldd;
   int splits;           // CTAs per cluster along K (gridDim.x = splits * N / 16 rounded up)
   int chunks_per_part;  // 64-byte K chunks per (CTA, warp)
-  L2Prefetch prefetch;  // the next linear's weights
 };
 
 // The 8-bit operand type of the kernel's m16n8k32 (common/mma.cuh).
@@ -275,8 +273,6 @@ __global__ void __launch_bounds__(kMaxWarps * 32, (NT == 1 || kBatch <= 2) ? 2 :
     load(b0, c + 2 * kBatch);
     use(b1, c + kBatch);
   }
-  // Every load of this warp is issued: DRAM may start on the next weights.
-  if (lane == 0) l2_prefetch_share(args.prefetch, blockIdx.x * warps + warp, gridDim.x * warps);
 
   store_partials<NT>(smem, warp, lane, acc);
   reduce_partials<NT, Acc>(smem, S, rank, warps, M, N, n0, [&](int m, int nl, Acc sum) {
@@ -302,8 +298,6 @@ int launch_one(const ScaledMmParams& p, const DecodeConfig& c, int* cuda_error) 
   args.ldd = p.ldd;
   args.splits = c.splits;
   args.chunks_per_part = c.chunks_per_part;
-  args.prefetch.ptr = c.prefetch;
-  args.prefetch.bytes = c.prefetch_bytes;
   const Epi epi = Epi::make(p);
   const int row_blocks = static_cast<int>((p.N + kRowsPerWarp - 1) / kRowsPerWarp);
   auto* kernel = scaled_mm_decode_kernel<kFp8, NT, kBatch, Out, Epi>;

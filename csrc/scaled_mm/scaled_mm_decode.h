@@ -25,10 +25,6 @@ struct DecodeConfig {
   int warps = 4;            // warps per CTA, each a K partition
   int chunks_per_part = 1;  // K chunks per (CTA, warp) partition
   int batch = 0;            // chunks per batch of register loads (2 or 4; 0: by token tiles)
-  // Asked into L2 once the weights are streamed (common/l2_prefetch.h): 16-byte aligned, a
-  // multiple of 16 bytes; none when 0.
-  const void* prefetch = nullptr;
-  uint32_t prefetch_bytes = 0;
 };
 
 constexpr int kWarpsPerSm = 16;  // resident warps per SM at the kernel's 128-register bound

@@ -50,7 +50,7 @@ namespace quantfuse {
 at::Tensor scaled_mm_decode(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a, const at::Tensor& scale_b,
                   at::ScalarType out_dtype, const std::optional<at::Tensor>& bias,
                   const std::optional<at::Tensor>& azp_adj, const std::optional<at::Tensor>& azp, int64_t splits,
-                  int64_t warps, int64_t batch, const L2Prefetch& prefetch) {
+                  int64_t warps, int64_t batch) {
   if (!a.is_cuda() || !b.is_cuda() || a.device() != b.device()) DECODE_FAIL("a and b must be on one CUDA device");
   if (a.dim() != 2 || b.dim() != 2 || a.size(1) != b.size(0))
     DECODE_FAIL("a (%lld-D) and b (%lld-D) are not [M, K] x [K, N]", ll(a.dim()), ll(b.dim()));
@@ -119,10 +119,8 @@ at::Tensor scaled_mm_decode(const at::Tensor& a, const at::Tensor& b, const at::
   p.device = a.get_device();
   p.stream = at::cuda::getCurrentCUDAStream(a.get_device()).stream();
 
-  qd::DecodeConfig config = qd::choose_config(N, K, props->multiProcessorCount, cc >= 90, static_cast<int>(splits),
-                                              static_cast<int>(warps), static_cast<int>(batch));
-  config.prefetch = prefetch.ptr;
-  config.prefetch_bytes = prefetch.bytes;
+  const qd::DecodeConfig config = qd::choose_config(N, K, props->multiProcessorCount, cc >= 90, static_cast<int>(splits),
+                                                    static_cast<int>(warps), static_cast<int>(batch));
   int cuda_error = 0;
   const int status = fp8 ? qd::launch_fp8(p, config, &cuda_error) : qd::launch_i8(p, config, &cuda_error);
   if (status != quantfuse::kQOk)

@@ -4,8 +4,7 @@
 //
 // * M <= kDecodeMaxM: the weight-streaming decode kernel (scaled_mm_decode.cuh).  On the
 //   H100, bf16 out, the four Llama shapes: M = 1 3-18% faster than the CUTLASS decode tile,
-//   M = 12 up to 13% faster, M = 16 even.  It asks the L2 for the next decode launch's
-//   weights once it has streamed its own (common/next_weights.h).
+//   M = 12 up to 13% faster, M = 16 even.
 // * fp8 with per-token x per-channel scales from kFp8CublasLtMinM rows on Hopper: cuBLASLt's
 //   fp8 kernel through at::_scaled_mm (the same fused epilogue), which measured 1.0-1.2x
 //   faster than our CUTLASS fp8 kernels there; below, ours are faster.
@@ -24,7 +23,6 @@
 #include <optional>
 #include <string>
 
-#include "common/next_weights.h"
 #include "common/reference.h"
 #include "scaled_mm/scaled_mm_decode.h"
 #include "scaled_mm/scaled_mm_torch.h"
@@ -136,9 +134,7 @@ at::Tensor w8a8_dispatch(const at::Tensor& a_in, const at::Tensor& b_in, const a
   const at::Tensor a = row_major(a_in), b = column_major(b_in);
   const at::Tensor scale_a = dense(scale_a_in), scale_b = dense(scale_b_in);
   const auto bias = dense(bias_in), azp_adj = dense(azp_adj_in), azp = dense(azp_in);
-  if (M <= kDecodeMaxM)
-    return scaled_mm_decode(a, b, scale_a, scale_b, out_dtype, bias, azp_adj, azp, -1, -1, -1, next_weights_hint(b));
-  next_weights_break(a.device());
+  if (M <= kDecodeMaxM) return scaled_mm_decode(a, b, scale_a, scale_b, out_dtype, bias, azp_adj, azp, -1, -1, -1);
   const int cc = capability(a);
   const bool hopper = cc >= 90 && cc < 100;
   if (a.scalar_type() == at::kFloat8_e4m3fn && hopper && M >= kFp8CublasLtMinM && scale_a.numel() == M &&

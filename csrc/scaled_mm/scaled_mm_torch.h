@@ -9,8 +9,6 @@
 #include <optional>
 #include <string>
 
-#include "common/l2_prefetch.h"
-
 namespace quantfuse {
 
 // CUTLASS: arch 0 = best for this GPU (90 or 80); config -1 = chosen by M and N.
@@ -20,12 +18,11 @@ at::Tensor scaled_mm_cutlass(const at::Tensor& a, const at::Tensor& b, const at:
                              const std::optional<at::Tensor>& azp, int64_t arch, int64_t config, int64_t swizzle,
                              int64_t raster);
 
-// The weight-streaming decode kernel (M <= decode::kMaxM); -1 = chosen.  prefetch: what the
-// kernel asks into L2 once its weights are streamed (the next linear's; common/l2_prefetch.h).
+// The weight-streaming decode kernel (M <= decode::kMaxM); -1 = chosen.
 at::Tensor scaled_mm_decode(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
                             const at::Tensor& scale_b, at::ScalarType out_dtype, const std::optional<at::Tensor>& bias,
                             const std::optional<at::Tensor>& azp_adj, const std::optional<at::Tensor>& azp,
-                            int64_t splits, int64_t warps, int64_t batch, const L2Prefetch& prefetch = {});
+                            int64_t splits, int64_t warps, int64_t batch);
 
 // quantfuse::scaled_mm / scaled_mm_azp on CUDA: the kernel for these operands (copying them
 // to the layout it reads where they are not in it), or the reference with the reason.
