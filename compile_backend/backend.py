@@ -209,10 +209,13 @@ def _compile(gm: torch.fx.GraphModule, example_inputs, ours: dict, inductor_patc
     if not ours["passes"]:
         return compile_fx(gm, example_inputs, config_patches=inductor_patches)
 
+    from compile_backend import freed_weights
     from compile_backend.captured_graphs import guard_derived_reads, uses_cuda_graphs
     from compile_backend.passes import make_graph_passes
 
     patches = install_passes(inductor_patches, make_graph_passes(ours))
+    # The values our ops derive from this graph's weights go when the weights do.
+    freed_weights.watch([*example_inputs, *gm.parameters(), *gm.buffers()])
     try:
         compiled = compile_fx(gm, example_inputs, config_patches=patches)
         return guard_derived_reads(compiled) if uses_cuda_graphs(patches) else compiled

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import freed_weights
 from .held_parameter import HeldParameter
 from .ops import AWQ_ORDER, AWQ_PACK, AWQ_SHIFTS, OUT_DTYPES, awq_unpack
 from .quantize_per_token import (
@@ -126,7 +127,9 @@ def _frozen(t: torch.Tensor | None) -> HeldParameter | None:
     """``t`` as a held tensor: a frozen ``HeldParameter`` sharing its storage (no copy)."""
     if t is None or isinstance(t, HeldParameter) and not t.requires_grad:
         return t
-    return HeldParameter(t.detach(), requires_grad=False)
+    held = HeldParameter(t.detach(), requires_grad=False)
+    freed_weights.watch((held,))
+    return held
 
 
 def _keep_held(module: nn.Module, before: dict) -> None:

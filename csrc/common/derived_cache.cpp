@@ -59,11 +59,6 @@ void retire(Entry& e) {
     for (auto& v : e.values) g_retired.push_back(v);
 }
 
-std::map<std::vector<int64_t>, Entry>::iterator erase(std::map<std::vector<int64_t>, Entry>::iterator it) {
-  retire(it->second);
-  return g_entries.erase(it);
-}
-
 void append_where(std::vector<int64_t>& key, const at::Tensor& t) {
   key.push_back(reinterpret_cast<int64_t>(t.data_ptr()));
   key.push_back(t.dim());
@@ -81,10 +76,33 @@ bool alive(const Entry& e) {
   return true;
 }
 
-// Entries whose sources are gone can never be served again (their memory may be reused): their
-// values are freed.  Called with g_mutex held.
-void drop_dead_entries() {
-  for (auto it = g_entries.begin(); it != g_entries.end();) it = alive(it->second) ? std::next(it) : g_entries.erase(it);
+bool made_from(const Entry& e, const c10::TensorImpl* impl) {
+  for (const auto& r : e.refs)
+    if (r._unsafe_get_target() == impl) return true;
+  return false;
+}
+
+// Entries whose sources are gone (or going: `dying`, a tensor being freed) can never be served
+// again (their memory may be reused): their values are freed, and then the entries whose sources
+// were among those values (a repacked layout of a concatenation), until none is left.  Called
+// without g_mutex: the values are released after it is unlocked, since freeing a tensor may run
+// Python code (a finalizer of compile_backend/freed_weights.py) that calls back in.
+void drop_dead_entries(const c10::TensorImpl* dying = nullptr) {
+  for (;;) {
+    std::vector<std::vector<at::Tensor>> freed;
+    {
+      std::lock_guard<std::mutex> lock(g_mutex);
+      for (auto it = g_entries.begin(); it != g_entries.end();) {
+        if (alive(it->second) && (dying == nullptr || !made_from(it->second, dying))) {
+          ++it;
+          continue;
+        }
+        freed.push_back(std::move(it->second.values));
+        it = g_entries.erase(it);
+      }
+    }
+    if (freed.empty()) return;
+  }
 }
 
 bool capturing(const at::Tensor& t) {
@@ -162,9 +180,9 @@ std::vector<at::Tensor> derived_list(int kind, c10::ArrayRef<at::Tensor> sources
       return it->second.values;
     }
     ++g_computed;
-    // A deleted model's values make room for the ones this miss is about to allocate.
-    if (cacheable && !in_capture) drop_dead_entries();
   }
+  // A deleted model's values make room for the ones this miss is about to allocate.
+  if (cacheable && !in_capture) drop_dead_entries();
   // While capturing, a value made now belongs to the graph (its pool, its replays).
   if (!cacheable || in_capture) return make();
 
@@ -173,16 +191,22 @@ std::vector<at::Tensor> derived_list(int kind, c10::ArrayRef<at::Tensor> sources
   for (const auto& t : sources) entry.refs.emplace_back(t.getIntrusivePtr());
   entry.versions = std::move(versions);
   entry.values = values;
+  Entry replaced;  // released after g_mutex (see drop_dead_entries)
   std::lock_guard<std::mutex> lock(g_mutex);
   auto old = g_entries.find(key);
-  if (old != g_entries.end()) retire(old->second);
+  if (old != g_entries.end()) {
+    retire(old->second);
+    replaced = std::move(old->second);
+  }
   g_entries[key] = std::move(entry);
   return values;
 }
 
 void clear_derived() {
+  std::map<std::vector<int64_t>, Entry> cleared;  // released after g_mutex (see drop_dead_entries)
   std::lock_guard<std::mutex> lock(g_mutex);
-  for (auto it = g_entries.begin(); it != g_entries.end();) it = erase(it);
+  for (auto& [key, e] : g_entries) retire(e);
+  cleared.swap(g_entries);
   g_computed = g_hits = 0;
 }
 
@@ -219,9 +243,11 @@ void graph_forget(int64_t graph) {
   g_graph_reads.erase(graph);
 }
 
+void drop_source(int64_t impl) { drop_dead_entries(reinterpret_cast<const c10::TensorImpl*>(impl)); }
+
 std::vector<int64_t> derived_stats() {
-  std::lock_guard<std::mutex> lock(g_mutex);
   drop_dead_entries();
+  std::lock_guard<std::mutex> lock(g_mutex);
   return {g_computed, g_hits, static_cast<int64_t>(g_entries.size())};
 }
 
@@ -230,6 +256,7 @@ std::vector<int64_t> derived_stats() {
 TORCH_LIBRARY_FRAGMENT(quantfuse, m) {
   m.def("_derived_cache_clear() -> ()", &quantfuse::clear_derived);
   m.def("_derived_cache_stats() -> int[]", &quantfuse::derived_stats);
+  m.def("_derived_cache_drop_source(int impl) -> ()", &quantfuse::drop_source);
   m.def("_derived_graph_enter(int graph) -> ()", &quantfuse::graph_enter);
   m.def("_derived_graph_exit() -> ()", &quantfuse::graph_exit);
   m.def("_derived_graph_forget(int graph) -> ()", &quantfuse::graph_forget);

@@ -53,7 +53,13 @@ void graph_enter(int64_t graph);
 void graph_exit();
 void graph_forget(int64_t graph);
 
-// {values made, values served from the cache, live entries}.
+// {values made, values served from the cache, live entries}, after dropping the entries of freed
+// sources.
 std::vector<int64_t> derived_stats();
+
+// Drops the entries made from the tensor whose TensorImpl is at `impl`, and those of freed sources.
+// A weight's finalizer (compile_backend/freed_weights.py) calls it while the weight is being freed:
+// Python runs it before the TensorImpl goes, so the entries could not yet tell that it is gone.
+void drop_source(int64_t impl);
 
 }  // namespace quantfuse
