@@ -10,7 +10,8 @@ layouts, measured on the H100 while the int8 model after it loaded and compiled)
 So each tensor such a value may be made from gets a finalizer that has the cache drop the values
 made from it as the tensor is freed: the quantized weights of our modules
 (``compile_backend/quantize.py``) and every integer or fp8 CUDA tensor a compiled graph takes
-(other libraries' quantized weights).  Every derived value is made from at least one such
+(other libraries' quantized weights; for a wrapper tensor subclass such as torchao's, the tensors
+inside it, which are what our ops receive).  Every derived value is made from at least one such
 tensor: AWQ's packed int32 weight, an int8 or fp8 weight, the parts of a concatenation.  Python
 runs a finalizer before the tensor's TensorImpl goes, so it names the TensorImpl
 (``_derived_cache_drop_source``) rather than asking the cache to find the dead ones.
@@ -22,6 +23,7 @@ import weakref
 from collections.abc import Iterable
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from compile_backend import kernels
 
@@ -36,15 +38,25 @@ def watchable(t) -> bool:
     return isinstance(t, torch.Tensor) and t.device.type == "cuda" and t.dtype in WEIGHT_DTYPES
 
 
+def _leaves(t):
+    """``t``, or the tensors inside it where it is a wrapper subclass (recursively)."""
+    if is_traceable_wrapper_subclass(t):
+        for name in t.__tensor_flatten__()[0]:
+            yield from _leaves(getattr(t, name))
+    else:
+        yield t
+
+
 def watch(tensors: Iterable) -> int:
-    """Gives each watchable tensor of ``tensors`` (once per tensor) a finalizer that drops the
-    values derived from it when it is freed; returns how many were new."""
+    """Gives each watchable tensor of ``tensors`` (once per tensor; the tensors inside a wrapper
+    subclass) a finalizer that drops the values derived from it when it is freed; returns how
+    many were new."""
     added = 0
-    for t in tensors:
-        if watchable(t) and id(t) not in _watched:
-            _watched.add(id(t))
+    for leaf in (leaf for t in tensors for leaf in _leaves(t)):
+        if watchable(leaf) and id(leaf) not in _watched:
+            _watched.add(id(leaf))
             # Not at interpreter exit: the cache goes with the process.
-            weakref.finalize(t, _freed, id(t), t._cdata).atexit = False
+            weakref.finalize(leaf, _freed, id(leaf), leaf._cdata).atexit = False
             added += 1
     return added
 

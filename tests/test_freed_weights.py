@@ -54,6 +54,21 @@ def test_quantized_module_weights_are_watched(on_cpu):
     assert impls <= set(on_cpu), (impls, on_cpu)
 
 
+def test_tensors_inside_a_wrapper_subclass_are_watched(on_cpu):
+    """torchao's quantized weight is a tensor subclass in the weight's dtype; our ops receive the
+    int8 tensor inside it."""
+    from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
+
+    lin = nn.Linear(64, 32)
+    quantize_(lin, Int8DynamicActivationInt8WeightConfig())
+    assert not freed_weights.watchable(lin.weight)  # float32 outside
+    assert freed_weights.watch([lin.weight]) >= 1
+    assert on_cpu == []
+    del lin
+    gc.collect()
+    assert on_cpu, "no finalizer fired for the int8 data inside torchao's weight"
+
+
 class ForeignInt8(nn.Module):
     """Another library's int8 linear: plain buffers, its own dequantize-then-matmul forward."""
 
