@@ -3,9 +3,9 @@
 The derived-value cache (csrc/common/derived_cache.cpp: repacked AWQ layouts, concatenated
 q/k/v and gate/up weights, column sums) keeps a value while the tensors it was made from live,
 but it learns that one was freed only when it next looks: at its next miss, or when
-``_derived_cache_stats`` runs.  Without a look in between, a deleted model's values stayed on the
-GPU on top of the next model's weights (a 32-layer AWQ Llama's 7.3 GB of repacked and prepared
-layouts, measured on the H100 while the int8 model after it loaded and compiled).
+``_derived_cache_stats`` runs.  Without a look in between, a deleted model's values would stay on
+the GPU on top of the next model's weights (for a 32-layer AWQ Llama, 7.3 GB of repacked and
+prepared layouts).
 
 So each tensor such a value may be made from gets a finalizer that has the cache drop the values
 made from it as the tensor is freed: the quantized weights of our modules

@@ -40,8 +40,8 @@ def test_concatenation_goes_with_its_parts(cuda_kernels):
 
 
 def test_awq_module_takes_its_layouts_along(cuda_kernels):
-    """An AWQ linear's repacked (decode) and prepared (Hopper prefill) layouts are freed with it;
-    before, they stayed until the cache's next miss."""
+    """An AWQ linear's repacked (decode) and prepared (Hopper prefill) layouts are freed with it,
+    not at the cache's next miss."""
     torch.manual_seed(0)
     model = quantize_model(nn.Sequential(nn.Linear(4096, 4096, bias=False)).to("cuda", torch.float16), "awq")
     layer = model[0]
