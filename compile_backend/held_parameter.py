@@ -52,6 +52,10 @@ class HeldParameter(nn.Parameter):
     @data.setter
     def data(self, value: torch.Tensor) -> None:
         torch._C.TensorBase.data.__set__(self, value)
+        # Now perhaps a CUDA weight that values may be derived from (compile_backend/freed_weights.py).
+        from compile_backend import freed_weights
+
+        freed_weights.watch((self,))
 
     def __reduce_ex__(self, proto):
         # nn.Parameter's rebuilds an nn.Parameter; hooks are not saved, as nn.Parameter saves none.

@@ -146,6 +146,9 @@ def _keep_held(module: nn.Module, before: dict) -> None:
             t.__class__ = HeldParameter
         else:
             module._parameters[name] = _frozen(t)
+    # A move to the GPU (``.to("cuda")``) sets ``.data`` of the tensor kept in place: the object
+    # _frozen saw on the CPU, unwatchable there, now holds a CUDA weight.
+    freed_weights.watch(module._parameters.values())
 
 
 def set_tensors(module: nn.Module, **tensors: torch.Tensor | None) -> nn.Module:

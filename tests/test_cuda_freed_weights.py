@@ -21,8 +21,12 @@ pytestmark = pytest.mark.gpu
 
 
 def allocated() -> int:
+    """Bytes held by live tensors.  A derived value is made on a side stream and recorded on the
+    caller's, so the allocator frees its block only once it has processed that stream's event (at
+    its next allocation, or here: ``empty_cache`` processes the events first)."""
     gc.collect()
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     return torch.cuda.memory_allocated()
 
 

@@ -54,6 +54,28 @@ def test_quantized_module_weights_are_watched(on_cpu):
     assert impls <= set(on_cpu), (impls, on_cpu)
 
 
+@pytest.mark.parametrize("move", ["to", "data"])
+def test_weights_that_become_watchable_in_place_are_watched(monkeypatch, on_cpu, move):
+    """A model quantized on the CPU, then moved to the GPU: ``.to("cuda")`` (nn.Module._apply sets
+    ``.data`` of the tensor kept in place) or a loader's ``.data = t``.  Its weights become
+    watchable only then, as the same objects.  Here watchability is switched on before the
+    move, which stays on the CPU."""
+    cpu_watchable = freed_weights.watchable
+    monkeypatch.setattr(freed_weights, "watchable", lambda t: False)
+    model = quantize_model(nn.Sequential(nn.Linear(128, 64, bias=False)), "awq")
+    held = model[0].qweight
+    monkeypatch.setattr(freed_weights, "watchable", cpu_watchable)
+    if move == "to":
+        model.to("cpu")
+        assert model[0].qweight is held  # kept in place, as on a move to the GPU
+    else:
+        held.data = held.detach().clone()
+    impl = held._cdata
+    del model, held
+    gc.collect()
+    assert impl in on_cpu, on_cpu
+
+
 def test_tensors_inside_a_wrapper_subclass_are_watched(on_cpu):
     """torchao's quantized weight is a tensor subclass in the weight's dtype; our ops receive the
     int8 tensor inside it."""
