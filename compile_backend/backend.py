@@ -46,9 +46,10 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 log = logging.getLogger("quantfuse")
 
-OUR_OPTIONS = ("passes", "families", "horizontal", "fallback")
+OUR_OPTIONS = ("passes", "families", "horizontal", "gqa_decode", "fallback")
 # torch._dynamo.utils.counters[COUNTERS]: "fallback_inductor" (compiled without our passes) and
-# "fallback_eager" (ran in eager), one per failed compile, next to Dynamo's own counters.
+# "fallback_eager" (ran in eager), one per failed compile, next to Dynamo's own counters;
+# "gqa_decode": one-token attentions rewritten by passes/gqa_decode.py.
 COUNTERS = "quantfuse"
 
 
@@ -105,7 +106,7 @@ def install_passes(config_patches: dict, passes: dict) -> dict:
 
 def _our_option(key: str, value):
     """``value`` of one of OUR_OPTIONS, checked (``families`` normalised to a tuple)."""
-    if key in ("passes", "horizontal", "fallback"):
+    if key in ("passes", "horizontal", "gqa_decode", "fallback"):
         if not isinstance(value, bool):
             raise ValueError(f"quantfuse: option {key!r} is {value!r}; expected True or False")
         return value
@@ -151,7 +152,7 @@ def _split_options(options: dict | None, mode: str | None) -> tuple[dict, dict]:
     """(our options, Inductor config patches); raises ValueError naming an unknown or
     mistyped option, before anything is compiled (a typo must not look like a failed
     compile and run the model without fusion)."""
-    ours: dict[str, Any] = {"passes": True, "horizontal": True, "fallback": True}
+    ours: dict[str, Any] = {"passes": True, "horizontal": True, "gqa_decode": True, "fallback": True}
     inductor: dict[str, Any] = {}
     if mode and mode != "default":
         from torch._inductor import list_mode_options
@@ -217,6 +218,12 @@ def _compile(gm: torch.fx.GraphModule, example_inputs, ours: dict, inductor_patc
     # The values our ops derive from this graph's weights go when the weights do.
     freed_weights.watch([*example_inputs, *gm.parameters(), *gm.buffers()])
     try:
+        if ours["gqa_decode"]:
+            from torch._dynamo.utils import counters
+
+            from compile_backend.passes.gqa_decode import pack_gqa_decode
+
+            counters[COUNTERS]["gqa_decode"] += pack_gqa_decode(gm)
         compiled = compile_fx(gm, example_inputs, config_patches=patches)
         return guard_derived_reads(compiled) if uses_cuda_graphs(patches) else compiled
     except Exception as exc:
