@@ -223,7 +223,9 @@ def _compile(gm: torch.fx.GraphModule, example_inputs, ours: dict, inductor_patc
 
             from compile_backend.passes.gqa_decode import pack_gqa_decode
 
-            counters[COUNTERS]["gqa_decode"] += pack_gqa_decode(gm)
+            rewritten = pack_gqa_decode(gm)
+            if rewritten:
+                counters[COUNTERS]["gqa_decode"] += rewritten
         compiled = compile_fx(gm, example_inputs, config_patches=patches)
         return guard_derived_reads(compiled) if uses_cuda_graphs(patches) else compiled
     except Exception as exc:

@@ -40,6 +40,7 @@ import operator
 
 import torch
 from torch.fx import GraphModule, Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 log = logging.getLogger("quantfuse.gqa_decode")
 
@@ -51,6 +52,11 @@ _HEAD_SLOT = (_ALL, _ALL, None, _ALL, _ALL)  # x[:, :, None, :, :]
 def _shape(node) -> tuple | None:
     value = node.meta.get("example_value") if isinstance(node, Node) else None
     return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    """Sizes known equal without a guard (a symbolic batch or cache length stays symbolic)."""
+    return len(a) == len(b) and all(statically_known_true(x == y) for x, y in zip(a, b))
 
 
 def _repeated(node) -> tuple[Node, int] | None:
@@ -72,7 +78,7 @@ def _repeated(node) -> tuple[Node, int] | None:
     n = expanded[2]
     if not (isinstance(n, int) and isinstance(src[1], int) and n > 1):
         return None
-    if expanded != (src[0], src[1], n, src[2], src[3]) or out != (src[0], src[1] * n, src[2], src[3]):
+    if not (_same(expanded, (src[0], src[1], n, src[2], src[3])) and _same(out, (src[0], src[1] * n, src[2], src[3]))):
         return None
     return source, n
 
@@ -89,14 +95,15 @@ def _rewrite(graph, sdpa: Node) -> bool:
     if sdpa.kwargs.get("enable_gqa", False) is not False or len(sdpa.args) > 3:
         return False
     rk, rv, qs = _repeated(k), _repeated(v), _shape(q)
-    if rk is None or rv is None or rk[1] != rv[1] or qs is None or len(qs) != 4 or qs[2] != 1:
+    if rk is None or rv is None or rk[1] != rv[1] or qs is None or len(qs) != 4 or not _same(qs[2:3], (1,)):
         return False
     n = rk[1]
     hkv = _shape(rk[0])[1]
-    if qs[1] != hkv * n:
+    if not _same(qs[1:2], (hkv * n,)):
         return False
     ms = _shape(mask) if mask is not None else None
-    if mask is not None and (ms is None or len(ms) != 4 or ms[0] != qs[0] or ms[2] != 1 or ms[1] not in (1, hkv * n)):
+    if mask is not None and not (ms is not None and len(ms) == 4 and _same((ms[0], ms[2]), (qs[0], 1))
+                                 and (_same(ms[1:2], (1,)) or _same(ms[1:2], (hkv * n,)))):
         return False
 
     def call(fn, *args):
@@ -113,7 +120,8 @@ def _rewrite(graph, sdpa: Node) -> bool:
     with graph.inserting_before(sdpa):
         packed_mask = mask
         if mask is not None:
-            packed_mask = expanded(mask, 1, hkv) if ms[1] == 1 else heads_as_batch(mask)  # [B*Hkv, 1 or n, 1, L]
+            # [B*Hkv, 1 or n, 1, L]
+            packed_mask = expanded(mask, 1, hkv) if _same(ms[1:2], (1,)) else heads_as_batch(mask)
         kwargs = {key: value for key, value in sdpa.kwargs.items() if key != "enable_gqa"}
         kwargs["attn_mask"] = packed_mask
         qkv = (heads_as_batch(q), expanded(rk[0], 2, n), expanded(rv[0], 2, n))  # [B*Hkv, n, ., D]

@@ -98,3 +98,29 @@ def test_hf_llama_static_cache_decode_step():
     got = decode_step(torch.compile(model, backend="quantfuse"))
     assert counters["quantfuse"]["gqa_decode"] == cfg.num_hidden_layers
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dynamic", ["batch and length", "all"])
+def test_dynamic_shapes(dynamic):
+    """A symbolic batch and cache length (as automatic dynamic shapes make them): rewritten, equal
+    to eager at two sizes.  Everything symbolic (``dynamic=True``, head counts too): equal to eager,
+    rewritten or not."""
+    module = Attention()
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(module, backend="quantfuse", dynamic=True if dynamic == "all" else None)
+    with torch.no_grad():
+        for seed, (b, length) in enumerate([(2, 7), (3, 11)]):
+            g = torch.Generator().manual_seed(seed)
+            q = torch.randn(b, HKV * N, 1, D, generator=g)
+            k, v = (torch.randn(b, HKV, length, D, generator=g) for _ in range(2))
+            mask = torch.randn(b, 1, 1, length, generator=g)
+            if dynamic != "all":
+                for t in (q, k, v, mask):
+                    torch._dynamo.mark_dynamic(t, 0)
+                for t in (k, v):
+                    torch._dynamo.mark_dynamic(t, 2)
+                torch._dynamo.mark_dynamic(mask, 3)
+            torch.testing.assert_close(compiled(q, k, v, mask), module(q, k, v, mask), rtol=1e-5, atol=1e-6)
+    if dynamic != "all":
+        assert counters["quantfuse"]["gqa_decode"] == 1  # one graph, rewritten once
