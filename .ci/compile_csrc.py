@@ -11,7 +11,7 @@ The sources that only instantiate kernels of one family header (a macro line per
 ``QF_SM80_ENTRY`` for CUTLASS 2.x ones) spend nearly all their compile time parsing and
 instantiating CUTLASS, once per file.  Here each such group of a folder is compiled as one
 translation unit that includes all of its files: every instantiation is still compiled, the
-headers are parsed once (on CI's 2 cores, the 14 AWQ tile files take about 400 s so against
+headers are parsed once (on CI's 2 cores, the 14 AWQ tile files take about 500 s against
 1400 s one by one).  A Hopper group's kernel bodies compile for sm_90a alone (the
 ``Sm90Only`` / ``EnableSm90Only`` wrappers), so its unit is compiled for sm_90a and the first
 file of the group also for sm_80, which checks the wrapper every instantiation goes through.
@@ -56,8 +56,8 @@ def instantiation_kind(source: Path) -> str | None:
 
 
 def compile_units(sources: list[Path], out_dir: Path) -> list[tuple[Path, list[Path], list[str]]]:
-    """(unit to compile, the sources it covers, arches), largest first: one unit per group of
-    instantiation files (see the module doc), every other source on its own."""
+    """(unit to compile, the sources it covers, arches): one unit per group of instantiation files
+    (see the module doc), first since they take longest, then every other source on its own."""
     groups: dict[tuple[Path, str], list[Path]] = {}
     units = []
     for source in sources:
