@@ -227,7 +227,8 @@ def capture_warnings(sink: list):
 def dynamo_counts() -> dict:
     from torch._dynamo.utils import counters
 
-    return dict(graphs=int(counters["stats"]["unique_graphs"]), graph_breaks=int(sum(counters["graph_break"].values())))
+    return dict(graphs=int(counters["stats"]["unique_graphs"]), graph_breaks=int(sum(counters["graph_break"].values())),
+                gqa_decode=int(counters["quantfuse"]["gqa_decode"]))  # attentions passes/gqa_decode.py rewrote
 
 
 def counts_delta(before: dict, after: dict) -> dict:
@@ -442,7 +443,8 @@ def _loop_decode(model, step_fn, ck, B, cfg, args, r, timer, accuracy: bool):
         r["first_call_s"] = t_first
         r["fusion"] = fc.summary()
         log(f"  first call (compile) {t_first:.1f} s; fused {r['fusion']['fused']}, "
-            f"unfused {r['fusion']['unfused']}, graphs {r['fusion']['graphs']}")
+            f"unfused {r['fusion']['unfused']}, graphs {r['fusion']['graphs']}, "
+            f"attentions without repeated keys/values {r['fusion']['gqa_decode']}")
         for i in range(k):
             if i:
                 pos += 1
