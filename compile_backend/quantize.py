@@ -144,11 +144,11 @@ def _keep_held(module: nn.Module, before: dict) -> None:
             continue
         if t is before.get(name) and type(t) is nn.Parameter:
             t.__class__ = HeldParameter
+            # The swap gave the kept object another tensor (on a move to the GPU, a CUDA one that
+            # values may be derived from); moves that set ``.data`` are watched by its setter.
+            freed_weights.watch((t,))
         else:
             module._parameters[name] = _frozen(t)
-    # A move to the GPU (``.to("cuda")``) sets ``.data`` of the tensor kept in place: the object
-    # _frozen saw on the CPU, unwatchable there, now holds a CUDA weight.
-    freed_weights.watch(module._parameters.values())
 
 
 def set_tensors(module: nn.Module, **tensors: torch.Tensor | None) -> nn.Module:

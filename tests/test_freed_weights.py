@@ -54,10 +54,11 @@ def test_quantized_module_weights_are_watched(on_cpu):
     assert impls <= set(on_cpu), (impls, on_cpu)
 
 
-@pytest.mark.parametrize("move", ["to", "data"])
+@pytest.mark.parametrize("move", ["to", "to, swapping", "data"])
 def test_weights_that_become_watchable_in_place_are_watched(monkeypatch, on_cpu, move):
     """A model quantized on the CPU, then moved to the GPU: ``.to("cuda")`` (nn.Module._apply sets
-    ``.data`` of the tensor kept in place) or a loader's ``.data = t``.  Its weights become
+    ``.data`` of the tensor kept in place, or under ``set_swap_module_params_on_conversion`` swaps
+    a new tensor into it) or a loader's ``.data = t``.  Its weights become
     watchable only then, as the same objects.  Here watchability is switched on before the
     move, which stays on the CPU."""
     cpu_watchable = freed_weights.watchable
@@ -65,8 +66,13 @@ def test_weights_that_become_watchable_in_place_are_watched(monkeypatch, on_cpu,
     model = quantize_model(nn.Sequential(nn.Linear(128, 64, bias=False)), "awq")
     held = model[0].qweight
     monkeypatch.setattr(freed_weights, "watchable", cpu_watchable)
-    if move == "to":
-        model.to("cpu")
+    if move.startswith("to"):
+        swap = torch.__future__.get_swap_module_params_on_conversion()
+        torch.__future__.set_swap_module_params_on_conversion(move == "to, swapping")
+        try:
+            model.to("cpu")
+        finally:
+            torch.__future__.set_swap_module_params_on_conversion(swap)
         assert model[0].qweight is held  # kept in place, as on a move to the GPU
     else:
         held.data = held.detach().clone()
