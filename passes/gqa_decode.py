@@ -83,16 +83,14 @@ def _repeated(node) -> tuple[Node, int] | None:
     return source, n
 
 
-def _argument(node: Node, index: int, name: str, default):
-    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
-
-
 def _rewrite(graph, sdpa: Node) -> bool:
-    q, k, v = (_argument(sdpa, i, name, None) for i, name in enumerate(("query", "key", "value")))
-    mask = _argument(sdpa, 3, "attn_mask", None)
-    if _argument(sdpa, 4, "dropout_p", 0.0) != 0.0 or _argument(sdpa, 5, "is_causal", False) is not False:
+    # HF passes q, k, v positionally and the rest by keyword; any other call is left alone.
+    if len(sdpa.args) != 3:
         return False
-    if sdpa.kwargs.get("enable_gqa", False) is not False or len(sdpa.args) > 3:
+    q, k, v = sdpa.args
+    mask = sdpa.kwargs.get("attn_mask")
+    if (sdpa.kwargs.get("dropout_p", 0.0) != 0.0 or sdpa.kwargs.get("is_causal", False) is not False
+            or sdpa.kwargs.get("enable_gqa", False) is not False):
         return False
     rk, rv, qs = _repeated(k), _repeated(v), _shape(q)
     if rk is None or rv is None or rk[1] != rv[1] or qs is None or len(qs) != 4 or not _same(qs[2:3], (1,)):
