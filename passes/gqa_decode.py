@@ -18,10 +18,9 @@ as its heads, over keys and values expanded along those heads (stride 0, no copy
     out = F.scaled_dot_product_attention(q', k', v', attn_mask=mask', ...).unflatten(0, (-1, Hkv)).flatten(1, 2)
 
 Every (batch, head) pair is computed from the same query, keys, values and mask as before, and
-the attention kernel sees as many (batch, head) pairs as before.  (Packing the ``n`` query heads
-as ``n`` query rows of one head instead, as transformers' eager ``pack_gqa`` does, gives the
-kernel a quarter of the pairs: on an H200, cuDNN's kernel for it took 0.60 ms per token at 32
-layers against 0.23 for the original attention, more than the copies saved.)  The mask: its
+the attention kernel sees as many (batch, head) pairs as before.  (Not the ``n`` query heads as ``n``
+query rows of one head, transformers' eager ``pack_gqa``: that gives the kernel a quarter of the
+pairs, and cuDNN's kernel for that shape costs more than the copies do; benchmarks/RESULTS.md.)  The mask: its
 head dimension, 1 or ``Hkv*n``, is regrouped the same way (a shared one expanded, a small copy
 per call: ``B*Hkv`` rows of ``L``).
 
