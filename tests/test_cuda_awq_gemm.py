@@ -80,6 +80,40 @@ def test_kernel_block_variants(M, warps):
         check_close(out, ref, mag, dtype, f"warps={warps} M={M} N={N} K={K}")
 
 
+@pytest.mark.parametrize("splits", (0, 1, 2, 3, 8))
+@pytest.mark.parametrize("M", (1, 3, 8))
+def test_kernel_sixteen_warps(M, splits):
+    """One-token-tile blocks of 16 warps (the automatic choice for narrow weights at M <= 8):
+    automatic and forced K splits, reduced in a cluster and through the workspace, warps whose
+    K range starts inside a quantization group or is empty."""
+    for i, (N, K, group) in enumerate(((4096, 4096, 128), (640, 14336, 32), (256, 272, -1), (6144, 4096, 64))):
+        gen = torch.Generator(device=DEV).manual_seed(13 * M + 5 * splits + i)
+        dtype = (torch.float16, torch.bfloat16)[(M + splits + i) % 2]
+        qw, s, qz, G, q, z = make_awq(K, N, group, dtype, gen)
+        x = make_x(M, K, dtype, gen)
+        b = (torch.randn(N, generator=gen, device=DEV) * 10).to(dtype) if i % 2 == 0 else None
+        ref, mag = reference64(x, q, z, s, G, b, exact=folds(M, N, 16))
+        for cluster in (True, False):
+            poison(M * N, dtype)
+            out = torch.ops.quantfuse._awq_gemm_cuda(x, repacked(qw), s, qz, G, b, 16, splits, cluster)
+            torch.cuda.synchronize()
+            check_close(out, ref, mag, dtype, f"warps=16 splits={splits} cluster={cluster} M={M} N={N} K={K}")
+
+
+def test_sixteen_warps_chosen_for_narrow_weights():
+    """At M <= 8 the automatic split keeps 16-warp blocks to one wave: strips times splits at
+    most the SM count, and at least 16 k-steps per warp."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    dev = torch.cuda.current_device()
+    for N, K in ((4096, 4096), (6144, 4096), (4096, 14336), (640, 14336)):
+        s = torch.ops.quantfuse._awq_gemm_splits(1, N, K, False, dev, 0)
+        assert s == torch.ops.quantfuse._awq_gemm_splits(1, N, K, False, dev, 16), (N, K)
+        assert (N // 64) * s <= sms and (K // 16) // (s * 16) >= 16 or s == 1, (N, K, s)
+    if sms >= 128:  # the H100's choices, measured fastest there (csrc: warps_for, splits_for)
+        assert torch.ops.quantfuse._awq_gemm_splits(1, 4096, 4096, False, dev, 0) == 1
+        assert torch.ops.quantfuse._awq_gemm_splits(1, 4096, 14336, False, dev, 0) == 2
+
+
 @pytest.mark.parametrize("cluster", (True, False))
 @pytest.mark.parametrize("splits", (1, 2, 3, 5, 8))
 def test_kernel_forced_splits(splits, cluster):
@@ -121,6 +155,10 @@ def test_kernel_bad_arguments_raise():
     packed = repacked(qw)
     with pytest.raises(RuntimeError, match="splits must be 0 .automatic. or 1..8, got 9"):
         torch.ops.quantfuse._awq_gemm_cuda(x, packed, s, qz, G, None, 0, 9)
+    with pytest.raises(RuntimeError, match="warps must be 0, 4, 8 or 16, got 2"):
+        torch.ops.quantfuse._awq_gemm_cuda(x, packed, s, qz, G, None, 2)
+    with pytest.raises(RuntimeError, match="warps=16 takes at most 8 rows of 'x' .one token tile., got 9"):
+        torch.ops.quantfuse._awq_gemm_cuda(make_x(9, 256, torch.float16, gen), packed, s, qz, G, None, 16)
     with pytest.raises(RuntimeError, match="'qzeros' must be int32 of shape .4, 8."):
         torch.ops.quantfuse._awq_gemm_cuda(x, packed, s, qz[:2], G, None)
 

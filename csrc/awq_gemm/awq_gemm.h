@@ -30,7 +30,7 @@ cudaError_t launch_dequantize(DType dtype, const uint32_t* qweight, const void* 
                               cudaStream_t stream);
 
 // Number of K splits the GEMM launch will use for this shape: 1..8.
-// warps: warps per block of the GEMM kernel, 4 or 8; 0 = chosen by M and N.
+// warps: warps per block of the GEMM kernel, 4 or 8, or 16 for M <= 8; 0 = chosen by M and N.
 int gemm_splits(DType dtype, int M, int N, int K, int device, int warps = 0);
 
 // Whether the GEMM launch for this shape applies zeros and scales to fp32 accumulators once per

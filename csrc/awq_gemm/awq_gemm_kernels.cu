@@ -324,38 +324,50 @@ int occupancy_of() {
 
 // Token tiles of 8 per block: 1, 2 or 4 (M > 32 runs several token blocks).
 int nt_for(int M) { return M <= 8 ? 1 : (M <= 16 ? 2 : 4); }
-// Warps per block: as asked (4 or 8), else chosen.  One token tile, or several token blocks:
-// 4 (more resident blocks to stream with).  9 <= M <= 32 (168-255 registers, 1-3 blocks per
-// SM): 8, unless the strips alone already give two blocks per SM.  Measured on the H100
-// (4096 x 14336, M = 32: 33 µs with 8 warps against 46 with 4).
+// Warps per block: as asked (4, 8, or 16 for one token tile), else chosen.
+// * One token tile: 16 (one block per SM, whose warps split the strip's K) while the strips fit
+//   in one block per SM, else 4 (more resident blocks to stream with).  A warp's k-steps are a
+//   chain of dependent instructions, and with 2 warps per scheduler (4-warp blocks, 2 per SM)
+//   the schedulers issue about once in 3.6 cycles (ncu, 4096 x 14336), so the strips of a
+//   narrow weight want every warp slot of their SM.  Measured on the H100 at M = 1 (CUDA graph
+//   of 32 launches, each on its own weight): 6144 x 4096 9.0 µs against 10.5 with 4-warp blocks
+//   in clusters of 4, 4096 x 4096 8.4 against 8.9, 4096 x 14336 (2 splits) 17.2 against 19.9;
+//   28672 x 4096 (448 strips) 26.9 with 4-warp blocks against 35.0 with 16.
+// * Several token blocks (M > 32): 4.
+// * 9 <= M <= 32 (168-255 registers, 1-3 blocks per SM): 8, unless the strips alone already
+//   give two blocks per SM (4096 x 14336, M = 32: 33 µs with 8 warps against 46 with 4).
 int warps_for(int warps, int M, int N, int device) {
-  if (warps == 4 || warps == 8) return warps;
-  if (nt_for(M) == 1 || M > 32) return 4;
+  if (warps == 4 || warps == 8 || (warps == 16 && nt_for(M) == 1)) return warps;
+  if (nt_for(M) == 1) return N / kStripN <= sm_count(device) ? 16 : 4;
+  if (M > 32) return 4;
   return N / kStripN >= 2 * sm_count(device) ? 4 : 8;
 }
 
 template <typename T, int W>
 int occupancy(int nt) {
+  if constexpr (W == 16) return occupancy_of<T, 1, 16, false>();
   return nt == 1 ? occupancy_of<T, 1, W, false>() : (nt == 2 ? occupancy_of<T, 2, W, false>()
                                                              : occupancy_of<T, 4, W, false>());
 }
 
 // Memory-bound: one wave of resident blocks, each streaming a contiguous K range.  K is split
 // over blocks (a power of two, at most kMaxCluster) while the blocks fill at most 3/4 of the
-// GPU's block slots (all of them for 8-warp blocks, of which 1-2 fit per SM) and each warp
-// keeps at least 8 k-steps: on the H100, more and shorter splits measured slower (cluster
-// scheduling, per-warp pipeline fill).
+// GPU's block slots (all of them for 8- and 16-warp blocks, of which 1-2 fit per SM) and each
+// warp keeps at least 8 k-steps (16 in 16-warp blocks): on the H100, more and shorter splits
+// measured slower (cluster scheduling, per-warp pipeline fill; 4096 x 4096 at M = 1 in 16-warp
+// blocks: 8.4 µs unsplit, 8.7-8.9 with 2 splits of 8 k-steps per warp).
 template <typename T>
 int splits_for(int M, int N, int K, int device, int warps) {
   const int W = warps_for(warps, M, N, device);
   const int nt = nt_for(M);
-  const int occ = W == 8 ? occupancy<T, 8>(nt) : occupancy<T, 4>(nt);
+  const int occ = W == 16 ? occupancy<T, 16>(nt) : (W == 8 ? occupancy<T, 8>(nt) : occupancy<T, 4>(nt));
   const int blocks = (N / kStripN) * ((M + 8 * nt - 1) / (8 * nt));
   const int slots = sm_count(device) * occ;
-  const int budget = W == 8 ? slots : slots * 3 / 4;
+  const int budget = W == 4 ? slots * 3 / 4 : slots;
+  const int min_steps = W == 16 ? 16 : 8;
   const int steps = K / 16;
   int s = 1;
-  while (s * 2 <= kMaxCluster && blocks * s * 2 <= budget && steps / (s * 2 * W) >= 8) s *= 2;
+  while (s * 2 <= kMaxCluster && blocks * s * 2 <= budget && steps / (s * 2 * W) >= min_steps) s *= 2;
   return s;
 }
 
@@ -406,7 +418,12 @@ template <typename T>
 cudaError_t gemm_dtype(const void* x, const uint32_t* wp, const void* scales, const uint32_t* qzeros,
                        const void* bias, void* out, float* partial, int M, int N, int K, int group_size, int splits,
                        int warps, bool cluster, int device, cudaStream_t stream) {
-  if (warps_for(warps, M, N, device) == 8)
+  const int W = warps_for(warps, M, N, device);
+  if (W == 16) {  // one token tile only (warps_for)
+    if (nt_for(M) != 1) return cudaErrorInvalidValue;
+    return run_gemm<T, 1, 16>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, stream);
+  }
+  if (W == 8)
     return gemm_warps<T, 8>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, stream);
   return gemm_warps<T, 4>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, stream);
 }

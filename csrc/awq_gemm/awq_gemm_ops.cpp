@@ -113,8 +113,8 @@ namespace quantfuse {
 at::Tensor awq_gemm_cuda(const at::Tensor& x, const at::Tensor& wpacked, const at::Tensor& scales,
                          const at::Tensor& qzeros, int64_t group_size, const std::optional<at::Tensor>& bias,
                          int64_t warps, int64_t splits, bool cluster) {
-  QF_CHECK(warps == 0 || warps == 4 || warps == 8, "quantfuse awq_gemm: warps must be 0, 4 or 8, got %lld",
-           (long long)warps);
+  QF_CHECK(warps == 0 || warps == 4 || warps == 8 || warps == 16,
+           "quantfuse awq_gemm: warps must be 0, 4, 8 or 16, got %lld", (long long)warps);
   QF_CHECK(splits >= 0 && splits <= 8, "quantfuse awq_gemm: splits must be 0 (automatic) or 1..8, got %lld",
            (long long)splits);
   check_cuda_contig(x, "x");
@@ -123,6 +123,9 @@ at::Tensor awq_gemm_cuda(const at::Tensor& x, const at::Tensor& wpacked, const a
   const DType dt = dtype_of(x, "x");
   QF_CHECK(scales.scalar_type() == x.scalar_type(), "quantfuse awq_gemm: 'scales' dtype must match 'x'");
   const int64_t M = x.size(0), K = x.size(1);
+  QF_CHECK(warps != 16 || M <= 8,
+           "quantfuse awq_gemm: warps=16 takes at most 8 rows of 'x' (one token tile), got %lld",
+           (long long)M);
   QF_CHECK(wpacked.scalar_type() == at::kInt && wpacked.dim() == 4 && wpacked.size(1) == K / 16 &&
                wpacked.size(2) == 32 && wpacked.size(3) == 4,
            "quantfuse awq_gemm: 'wpacked' must be int32 of shape (N/64, %lld, 32, 4)", (long long)(K / 16));
