@@ -221,7 +221,7 @@ def render(meta, rows):
            "TB/s = int4 weight+scales+zeros bytes / time.\n"]
     for (N, K) in sorted({(r["N"], r["K"]) for r in rows}, key=lambda t: (t[0] * t[1])):
         out.append(f"\n### N={N}, K={K} (int4 weight+scales+zeros {weight_bytes(N, K) / 1e6:.1f} MB)\n")
-        out.append("| M | ours | TB/s | kernel (chosen warps) | kernel (8 warps) | dq+cuBLAS | fp16 cuBLAS | tinygemm | "
+        out.append("| M | ours | TB/s | kernel (auto warps) | kernel (8 warps) | dq+cuBLAS | fp16 cuBLAS | tinygemm | "
                    "Inductor | vs cuBLAS | vs tinygemm | vs Inductor |")
         out.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
