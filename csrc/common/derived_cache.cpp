@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "common/check.h"
+#include "common/graph_reads.h"
 
 namespace quantfuse {
 namespace {
@@ -37,11 +38,7 @@ int64_t g_computed = 0, g_hits = 0;
 
 // What each CUDA graph captured under the quantfuse backend read from here: the sources of every
 // value served while it was captured, and their versions then (see derived_cache.h).
-struct GraphRead {
-  std::vector<c10::weak_intrusive_ptr<c10::TensorImpl>> refs;
-  std::vector<int64_t> versions;
-};
-std::map<int64_t, std::map<std::vector<int64_t>, GraphRead>> g_graph_reads;
+std::map<int64_t, GraphReads> g_graph_reads;
 // The compiled graph this thread runs (graph_enter), 0 outside one.
 thread_local int64_t t_graph = 0;
 
@@ -175,7 +172,14 @@ std::vector<at::Tensor> derived_list(int kind, c10::ArrayRef<at::Tensor> sources
       // entry (see retire()).
       if (in_capture) {
         it->second.captured = true;
-        if (t_graph != 0) g_graph_reads[t_graph][key] = GraphRead{it->second.refs, it->second.versions};
+        if (t_graph != 0) {
+          GraphReads& reads = g_graph_reads[t_graph];
+          const Entry& e = it->second;
+          for (size_t i = 0; i < e.refs.size(); ++i)
+            // A hit: every source is alive (the lock cannot fail) and at its version.
+            if (const auto impl = e.refs[i].lock())
+              reads.record(e.refs[i], impl->version_counter(), static_cast<uint32_t>(e.versions[i]));
+        }
       }
       return it->second.values;
     }
@@ -215,16 +219,8 @@ void graph_enter(int64_t graph) {
   {
     std::lock_guard<std::mutex> lock(g_mutex);
     auto reads = g_graph_reads.find(graph);
-    if (reads != g_graph_reads.end()) {
-      for (const auto& [key, read] : reads->second) {
-        for (size_t i = 0; i < read.refs.size() && stale.empty(); ++i) {
-          auto impl = read.refs[i].lock();
-          if (!impl || impl->version_counter().current_version() != static_cast<uint32_t>(read.versions[i]))
-            stale = describe(read.refs[i]);
-        }
-        if (!stale.empty()) break;
-      }
-    }
+    if (reads != g_graph_reads.end())
+      if (const GraphReads::Ref* changed = reads->second.first_stale()) stale = describe(*changed);
   }
   // fail() rather than TORCH_CHECK: see common/check.h.
   if (!stale.empty())
