@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 
 import pytest
 import torch
@@ -56,6 +57,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 def ext(tmp_path_factory):
     from torch.utils import cpp_extension
 
+    # torch runs `ninja` from PATH; the dev extra installs it beside this interpreter.
+    bindir = os.path.dirname(sys.executable)
+    if bindir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
     return cpp_extension.load_inline(
         name="quantfuse_graph_reads_test", cpp_sources=SOURCE, extra_include_paths=[os.path.abspath(CSRC)],
         build_directory=str(tmp_path_factory.mktemp("graph_reads")), verbose=False)
