@@ -945,6 +945,7 @@ def render_md(results) -> str:
                    f"{_fmt(r.get('gpu_ms_per_step'))} | {_fmt(r.get('host_ms_per_step'))} | "
                    f"{_fmt(r.get('compile_s'), '.1f')} | {_fmt(r.get('peak_gb'), '.1f')} | {fused_s} | "
                    f"{_fmt(r.get('logits_rel_err'), '.2e')} | {run} |")
+    out += _generate_host_ops(results, run_no)
     out += ["", f"Prefill: time to first token, 1 x {a['prompt_len']} prompt. Loop: compiled prefill into a "
                 f"static cache (mode `{a['prefill_mode']}`), first token included; generate: "
                 "`generate(max_new_tokens=1)`, whose prefill transformers runs eager. x fp16 = fp16's TTFT (same "
@@ -972,6 +973,24 @@ def render_md(results) -> str:
                    f"quantfuse extension load {_fmt(w.get('extension_load_s'), '.1f')} s; first quantfuse compile "
                    f"(tiny model) {_fmt(w.get('first_quantfuse_compile_s'), '.1f')} s.")
     return "\n".join(out) + "\n"
+
+
+def _generate_host_ops(results, run_no) -> list:
+    """Where each ``generate`` measurement's host time per step went: the profiler's host ops whose
+    self time grew most per added step (``profile.host_ops_per_step``), so that a ratio below the
+    loop's shows its cause beside it."""
+    lines = []
+    for name, path, batch, r in _decode_rows(results):
+        ops = (r.get("profile") or {}).get("host_ops_per_step") if path == "generate" else None
+        if not ops:
+            continue
+        run = run_no.get(r.get("run", results["meta"]["run_id"]), "?")
+        top = ", ".join(f"`{o['name']}` {o['ms_per_step']:.2f}" for o in ops[:6])
+        lines.append(f"- {name}, batch {batch} (run {run}): {top}")
+    if not lines:
+        return []
+    return ["", "Host ops per `generate` step (profiler self time, ms; the six largest; `cudaStreamSynchronize` is "
+                "the host waiting for the GPU):", *lines]
 
 
 def _vs_inductor(results, name, c):
