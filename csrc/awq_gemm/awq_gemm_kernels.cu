@@ -345,9 +345,12 @@ int warps_for(int warps, int M, int N, int device) {
 
 template <typename T, int W>
 int occupancy(int nt) {
-  if constexpr (W == 16) return occupancy_of<T, 1, 16, false>();
-  return nt == 1 ? occupancy_of<T, 1, W, false>() : (nt == 2 ? occupancy_of<T, 2, W, false>()
-                                                             : occupancy_of<T, 4, W, false>());
+  if constexpr (W == 16) {  // one token tile only (warps_for): no other kernel of 16 warps exists
+    return occupancy_of<T, 1, 16, false>();
+  } else {
+    return nt == 1 ? occupancy_of<T, 1, W, false>() : (nt == 2 ? occupancy_of<T, 2, W, false>()
+                                                               : occupancy_of<T, 4, W, false>());
+  }
 }
 
 // Memory-bound: one wave of resident blocks, each streaming a contiguous K range.  K is split
@@ -419,10 +422,8 @@ cudaError_t gemm_dtype(const void* x, const uint32_t* wp, const void* scales, co
                        const void* bias, void* out, float* partial, int M, int N, int K, int group_size, int splits,
                        int warps, bool cluster, int device, cudaStream_t stream) {
   const int W = warps_for(warps, M, N, device);
-  if (W == 16) {  // one token tile only (warps_for)
-    if (nt_for(M) != 1) return cudaErrorInvalidValue;
+  if (W == 16)  // one token tile only (warps_for)
     return run_gemm<T, 1, 16>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, stream);
-  }
   if (W == 8)
     return gemm_warps<T, 8>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, stream);
   return gemm_warps<T, 4>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, stream);
