@@ -58,12 +58,11 @@ def ext(tmp_path_factory):
     from torch.utils import cpp_extension
 
     # torch runs `ninja` from PATH; the dev extra installs it beside this interpreter.
-    bindir = os.path.dirname(sys.executable)
-    if bindir not in os.environ.get("PATH", "").split(os.pathsep):
-        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
-    return cpp_extension.load_inline(
-        name="quantfuse_graph_reads_test", cpp_sources=SOURCE, extra_include_paths=[os.path.abspath(CSRC)],
-        build_directory=str(tmp_path_factory.mktemp("graph_reads")), verbose=False)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PATH", os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+        return cpp_extension.load_inline(
+            name="quantfuse_graph_reads_test", cpp_sources=SOURCE, extra_include_paths=[os.path.abspath(CSRC)],
+            build_directory=str(tmp_path_factory.mktemp("graph_reads")), verbose=False)
 
 
 def test_unchanged_sources_pass_and_pairs_are_kept_once(ext):
