@@ -66,6 +66,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 DEFAULT_CONFIGS = "fp16,bf16,awq-g128,int8,int8-asym,fp8-rowwise"
 DENSE = {"fp16": torch.float16, "bf16": torch.bfloat16}
+PATHS = ("loop", "generate")
 DTYPES = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float32": torch.float32, "fp32": torch.float32}
 BASELINE = "fp16"
@@ -85,7 +86,7 @@ def parse_args(argv=None):
     ap.add_argument("--configs", default=None, help=f"comma list (default {DEFAULT_CONFIGS})")
     ap.add_argument("--baselines-quantized", action="store_true",
                     help="add <scheme>@inductor for every quantized config")
-    ap.add_argument("--paths", default="loop,generate", help="loop, generate, or both")
+    ap.add_argument("--paths", default="loop,generate", help="comma list of loop and generate")
     ap.add_argument("--batch", default="1,8", help="decode batch sizes")
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default 32; --quick 2)")
     ap.add_argument("--hidden", type=int, default=None, help="default 4096 (CPU --quick: 256)")
@@ -141,6 +142,9 @@ def parse_args(argv=None):
     args.config_list = list(dict.fromkeys(configs))
     args.batches = [int(b) for b in args.batch.split(",")]
     args.path_list = [p.strip() for p in args.paths.split(",") if p.strip()]
+    unknown = [p for p in args.path_list if p not in PATHS]
+    if unknown or not args.path_list:
+        ap.error(f"--paths: expected a comma list of {', '.join(PATHS)}, got {args.paths!r}")
     if cpu:
         # No CUDA graphs on a CPU; the decode step compiles plainly.
         args.mode = "default" if args.mode == "reduce-overhead" else args.mode
@@ -847,7 +851,7 @@ def merge(paths) -> dict:
         for name, rec in data["configs"].items():
             into = merged["configs"].setdefault(name, {})
             for key, value in rec.items():
-                if key in ("loop", "generate") and isinstance(value, dict):
+                if key in PATHS and isinstance(value, dict):
                     for sub, meas in value.items():
                         if "skipped" not in meas or sub not in into.setdefault(key, {}):
                             made = meas.get("run", run)
@@ -880,7 +884,7 @@ def write_all(results: dict, out: str, final: bool):
 
 def _decode_rows(results):
     for name, c in results["configs"].items():
-        for path in ("loop", "generate"):
+        for path in PATHS:
             for key, r in (c.get(path) or {}).items():
                 if isinstance(r, dict) and key.startswith("b"):
                     yield name, path, r.get("batch", key[1:]), r
@@ -1048,7 +1052,7 @@ def plot(results, path):
         return
     batches = sorted({int(b) for _, _, b, _ in rows})
     names = list(dict.fromkeys(n for n, _, _, _ in rows))
-    paths = [p for p in ("loop", "generate") if any(r[1] == p for r in rows)]
+    paths = [p for p in PATHS if any(r[1] == p for r in rows)]
     fig, axes = plt.subplots(1, len(batches), figsize=(max(6, 1.1 * len(names)) * len(batches), 4.5),
                              squeeze=False)
     width = 0.8 / len(paths)
