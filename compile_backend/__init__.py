@@ -10,6 +10,7 @@ from . import (  # noqa: F401  (imported for their registrations)
     backend,
     ops,  # registers torch.ops.quantfuse.* (CUDA kernels load at the first CUDA call)
     quantize_per_token,  # registers torch.ops.quantfuse.quantize_per_token
+    tensor_data,  # writes through .data to tensors that do not require grad are seen
     weight_cache,  # registers torch.ops.quantfuse.weight_colsum
 )
 from .backend import quantfuse

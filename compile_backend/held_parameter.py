@@ -8,8 +8,10 @@ cached per weight and served while the weight's version counter is unchanged (do
 (``layer.weight.data.copy_(new)``, a common loader idiom) leaves the parameter's counter as it was
 and the cache keeps serving values of the old weight.  A ``HeldParameter``'s ``.data`` is an alias
 that shares the parameter's version counter (``detach()``), so such a write bumps it like any
-in-place write.  Assigning ``.data = t`` is ``nn.Parameter``'s: the parameter takes ``t``'s
-storage and keeps its own version counter.
+in-place write (``tensor_data.py`` gives plain tensors that do not require grad the same
+``.data``; a ``HeldParameter``'s is this one whatever its ``requires_grad``).  Assigning
+``.data = t`` is ``nn.Parameter``'s: the parameter takes ``t``'s storage and keeps its own version
+counter.
 
 Otherwise it is an ``nn.Parameter``: the same constructor (``type(p)(t, requires_grad=False)``,
 as accelerate writes, builds one), ``__torch_function__`` disabled (operations on it return plain

@@ -455,14 +455,25 @@ def _new_weights(layer, family):
     return {"weight": other.weight, "weight_scale": other.weight_scale}
 
 
+def _plain_tensors(layer):
+    """``layer`` holding plain ``nn.Parameter``s (new storage, as another library's module would)
+    instead of ``HeldParameter``s; the module's own assignment would convert them back."""
+    for name, t in list(layer._parameters.items()):
+        if t is not None:
+            layer._parameters[name] = torch.nn.Parameter(t.detach().clone(), requires_grad=False)
+    return layer
+
+
 @pytest.mark.compile
+@pytest.mark.parametrize("holder", ("held", "plain"))
 @pytest.mark.parametrize("write", ("copy_", ".data.copy_"))
 @pytest.mark.parametrize("family", ("awq_gemm", "scaled_mm_azp"))
-def test_reduce_overhead_refuses_changed_weights(family, write):
+def test_reduce_overhead_refuses_changed_weights(family, write, holder):
     """A graph captured under mode="reduce-overhead" replays the derived values (repacked AWQ
     weight, column sums) it was captured with.  Once a weight changes in place -- through the
-    tensor or through ``.data`` -- the next call raises, naming the weight, instead of computing
-    with the old one; compiled again, the model matches eager with the new weights."""
+    tensor or through ``.data``, held by our module or as a plain parameter (tensor_data.py) --
+    the next call raises, naming the weight, instead of computing with the old one; compiled
+    again, the model matches eager with the new weights."""
     torch._dynamo.reset()
     derived_clear()
     torch.manual_seed(300)
@@ -475,6 +486,9 @@ def test_reduce_overhead_refuses_changed_weights(family, write):
                                        out_dtype=torch.float32)
         xs = [torch.randn(4, 512, device=DEV) + 0.3 for _ in range(3)]
         bound = 1e-3
+    if holder == "plain":
+        layer = _plain_tensors(layer)
+        assert type(layer.weight if family == "scaled_mm_azp" else layer.qweight) is torch.nn.Parameter
     try:
         compiled = _reduce_overhead_calls(layer, xs, family, bound)
         with torch.no_grad():

@@ -2,7 +2,7 @@
 from the derived-value cache, checked before every call of the graph.
 
 The record is plain C++ with no CUDA, so it is built here into a small CPU extension and driven
-from Python: a source written in place (through itself, a view, or a ``HeldParameter``'s
+from Python: a source written in place (through itself, a view, or its
 ``.data``) or freed since it was recorded is reported, by the same TensorImpl; unchanged sources
 are not; a (source, version) pair is kept once.  On a GPU,
 ``tests/test_cuda_dispatch.py::test_reduce_overhead_refuses_changed_weights`` runs the same class
@@ -114,15 +114,19 @@ def test_a_source_read_at_two_versions_is_stale(ext):
     assert reads.stale() == ext.impl_of(a)
 
 
-def test_write_through_held_parameter_data_is_reported(ext):
-    """A loader's ``layer.weight.data.copy_(new)`` on the quantized modules' parameters bumps the
-    parameter's own counter (held_parameter.py); on a plain ``nn.Parameter`` it would not."""
+def test_write_through_data_is_reported(ext):
+    """A loader's ``layer.weight.data.copy_(new)`` bumps the weight's own counter, on the quantized
+    modules' parameters (held_parameter.py) and on any plain tensor that does not require grad
+    (tensor_data.py): both are reported, each on its own."""
     held = HeldParameter(torch.zeros(4, dtype=torch.int8), requires_grad=False)
     plain = torch.nn.Parameter(torch.zeros(4, dtype=torch.int8), requires_grad=False)
     reads = ext.Reads()
     reads.record(held)
     reads.record(plain)
+    assert reads.stale() == 0
     plain.data.copy_(torch.ones(4, dtype=torch.int8))
-    assert reads.stale() == 0  # the kept limit for tensors of other libraries (docs/DESIGN.md)
+    assert reads.stale() == ext.impl_of(plain)
+    reads = ext.Reads()
+    reads.record(held)
     held.data.copy_(torch.ones(4, dtype=torch.int8))
     assert reads.stale() == ext.impl_of(held)
