@@ -8,6 +8,7 @@ the reference modules (``compile_backend.quantize``) and ``explain``.
 from . import (  # noqa: F401  (imported for their registrations)
     autograd,  # registers the ops' autograd formulas
     backend,
+    gqa_decode,  # registers torch.ops.quantfuse.gqa_decode
     ops,  # registers torch.ops.quantfuse.* (CUDA kernels load at the first CUDA call)
     quantize_per_token,  # registers torch.ops.quantfuse.quantize_per_token
     tensor_data,  # writes through .data to tensors that do not require grad are seen

@@ -223,7 +223,7 @@ def _compile(gm: torch.fx.GraphModule, example_inputs, ours: dict, inductor_patc
 
             from compile_backend.passes.gqa_decode import pack_gqa_decode
 
-            rewritten = pack_gqa_decode(gm)
+            rewritten = pack_gqa_decode(gm, on_cuda_graphs=uses_cuda_graphs(patches))
             if rewritten:
                 counters[COUNTERS]["gqa_decode"] += rewritten
         compiled = compile_fx(gm, example_inputs, config_patches=patches)

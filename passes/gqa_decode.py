@@ -35,6 +35,7 @@ as traced.
 from __future__ import annotations
 
 import logging
+import math
 import operator
 
 import torch
@@ -82,7 +83,25 @@ def _repeated(node) -> tuple[Node, int] | None:
     return source, n
 
 
-def _rewrite(graph, sdpa: Node) -> bool:
+def _op_scale(sdpa: Node, q_shape: tuple) -> float | None:
+    """The attention's scale as a float for ``quantfuse::gqa_decode``, or None where it is not a
+    number known when tracing."""
+    scale = sdpa.kwargs.get("scale")
+    if scale is None:
+        return 1.0 / math.sqrt(q_shape[3]) if isinstance(q_shape[3], int) else None
+    return float(scale) if isinstance(scale, (int, float)) else None
+
+
+def _takes_op(nodes, on_cuda_graphs: bool) -> bool:
+    """Whether the attention of these traced values runs as ``quantfuse::gqa_decode``: on CUDA,
+    under CUDA graphs (the op is a Python call per launch, which a replay skips), and without a
+    gradient to compute (the op has no derivative)."""
+    values = [n.meta.get("example_value") for n in nodes if isinstance(n, Node)]
+    return on_cuda_graphs and all(isinstance(t, torch.Tensor) and t.device.type == "cuda" and not t.requires_grad
+                                  for t in values)
+
+
+def _rewrite(graph, sdpa: Node, on_cuda_graphs: bool) -> bool:
     # HF passes q, k, v positionally and the rest by keyword; any other call is left alone.
     if len(sdpa.args) != 3:
         return False
@@ -114,6 +133,13 @@ def _rewrite(graph, sdpa: Node) -> bool:
         sizes[dim] = size
         return call(torch.flatten, graph.call_method("expand", (call(torch.unsqueeze, x, dim), *sizes)), 0, 1)
 
+    scale = _op_scale(sdpa, qs)
+    if scale is not None and _takes_op((q, rk[0], rv[0], mask), on_cuda_graphs):
+        with graph.inserting_before(sdpa):
+            out = graph.call_function(torch.ops.quantfuse.gqa_decode.default, (q, rk[0], rv[0], mask, scale))
+        _replace(graph, sdpa, out, k, v)
+        return True
+
     with graph.inserting_before(sdpa):
         packed_mask = mask
         if mask is not None:
@@ -124,6 +150,11 @@ def _rewrite(graph, sdpa: Node) -> bool:
         qkv = (heads_as_batch(q), expanded(rk[0], 2, n), expanded(rv[0], 2, n))  # [B*Hkv, n, ., D]
         packed = graph.call_function(sdpa.target, qkv, kwargs)
         out = call(torch.flatten, call(torch.unflatten, packed, 0, (-1, hkv)), 1, 2)
+    _replace(graph, sdpa, out, k, v)
+    return True
+
+
+def _replace(graph, sdpa: Node, out: Node, k: Node, v: Node) -> None:
     sdpa.replace_all_uses_with(out)
     graph.erase_node(sdpa)
     # The repeats, now unused (only these nodes: a general dead-code pass could take in-place
@@ -134,14 +165,14 @@ def _rewrite(graph, sdpa: Node) -> bool:
             if node.users:
                 break
             graph.erase_node(node)
-    return True
 
 
-def pack_gqa_decode(gm: GraphModule) -> int:
+def pack_gqa_decode(gm: GraphModule, on_cuda_graphs: bool = False) -> int:
     """Rewrites each one-token attention over repeated keys and values in ``gm`` (see the module
-    doc); returns how many.  The repeats it leaves unused are removed."""
+    doc); returns how many.  The repeats it leaves unused are removed.  ``on_cuda_graphs``: the
+    graph will run as a CUDA graph."""
     graph = gm.graph
-    rewritten = sum(_rewrite(graph, node) for node in list(graph.nodes)
+    rewritten = sum(_rewrite(graph, node, on_cuda_graphs) for node in list(graph.nodes)
                     if node.op == "call_function" and node.target in SDPA)
     if rewritten:
         graph.lint()

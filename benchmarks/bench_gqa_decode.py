@@ -1,0 +1,94 @@
+"""One-token grouped-query attention: ``quantfuse::gqa_decode`` (Triton) against the form
+``passes/gqa_decode.py`` writes without it (``scaled_dot_product_attention`` on the key/value
+heads, keys and values expanded; cuDNN's kernel on Hopper), and against transformers' own form
+(keys and values repeated, then the attention).
+
+Each is captured in a CUDA graph of 32 calls, each call on its own layer's cache (as a decode
+step runs 32 layers), and timed per call: the median of the graph's replays (CUDA events) over
+32. Llama-3-8B heads (8 key/value heads of 4 query heads, head size 128), fp16, transformers'
+float mask (0 where attended, the dtype's minimum elsewhere). Also checks each result against a
+float64 reference.
+
+    python benchmarks/bench_gqa_decode.py [--lengths 679,2048,4096] [--batch 1,8] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+import compile_backend  # noqa: F401  (registers the op)
+from compile_backend.gqa_decode import gqa_decode, reference
+
+LAYERS = 32
+
+
+def repeated(q, k, v, mask, scale):
+    n = q.shape[1] // k.shape[1]
+    rep = lambda x: x[:, :, None].expand(-1, -1, n, -1, -1).flatten(1, 2)  # noqa: E731
+    return F.scaled_dot_product_attention(q, rep(k), rep(v), attn_mask=mask, scale=scale)
+
+
+def graph_us(fn, layers) -> float:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for args in layers[:3]:
+            fn(*args)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for args in layers:
+            fn(*args)
+    times = []
+    for _ in range(60):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / len(layers))
+    return statistics.median(times[10:])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--lengths", default="679,2048,4096", help="cache lengths (positions attended: 3/4 of each)")
+    ap.add_argument("--batch", default="1,8")
+    ap.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
+    args = ap.parse_args()
+    dev, dtype, hkv, n, d = "cuda", torch.float16, 8, 4, 128
+    scale = d ** -0.5
+    rows = []
+    print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}")
+    print("| B | L | quantfuse µs | sdpa on kv heads µs | repeated kv + sdpa µs | × sdpa on kv heads | err (float64) |")
+    print("|---|---|---|---|---|---|---|")
+    for b in (int(x) for x in args.batch.split(",")):
+        for length in (int(x) for x in args.lengths.split(",")):
+            g = torch.Generator(device=dev).manual_seed(length + b)
+            mask = torch.zeros(b, 1, 1, length, device=dev, dtype=dtype)
+            mask[..., length * 3 // 4:] = torch.finfo(dtype).min
+            layers = [(torch.randn(b, hkv * n, 1, d, device=dev, dtype=dtype, generator=g),
+                       torch.randn(b, hkv, length, d, device=dev, dtype=dtype, generator=g),
+                       torch.randn(b, hkv, length, d, device=dev, dtype=dtype, generator=g), mask, scale)
+                      for _ in range(LAYERS)]
+            q, k, v, _, _ = layers[0]
+            want = repeated(q.double(), k.double(), v.double(), mask.double(), scale)
+            err = ((gqa_decode(*layers[0]).double() - want).norm() / want.norm()).item()
+            row = dict(batch=b, length=length, ours_us=graph_us(gqa_decode, layers),
+                       sdpa_kv_heads_us=graph_us(reference, layers), repeated_us=graph_us(repeated, layers), err=err)
+            rows.append(row)
+            print(f"| {b} | {length} | {row['ours_us']:.1f} | {row['sdpa_kv_heads_us']:.1f} | {row['repeated_us']:.1f} "
+                  f"| {row['sdpa_kv_heads_us'] / row['ours_us']:.2f}× | {err:.1e} |", flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "results_gqa_decode.json"), "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""The Triton kernels of ``quantfuse::gqa_decode`` (compile_backend/gqa_decode.py): one query token
+attending over a key/value cache in ``splits`` slices of the cache (flash decoding), then the
+slices' partial results combined.
+
+Each program of the first kernel takes one key/value head of one batch row and one slice of the
+cache: it reads the slice's keys and values once for all ``n`` query heads of that key/value head
+(as rows of one ``tl.dot``, padded to 16), and keeps a running maximum, sum and weighted sum of
+values per query head (the online softmax). The second kernel rescales the slices' sums to a
+common maximum and divides. One token of one key/value head is too little work to keep an SM
+busy, so the cache is split until about two programs per SM run.
+
+Imported only where Triton is (a CUDA build of torch); the op's other paths need none of it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_L = 64  # cache positions per step of a program
+LOG2E = tl.constexpr(1.4426950408889634)  # scores are kept in base 2: exp(x) = exp2(x * log2(e))
+
+
+@triton.jit
+def _gqa_decode_split(q_ptr, k_ptr, v_ptr, m_ptr, part_o, part_ml, L, chunk, qk_scale,
+                      sq_b, sq_h, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l, sm_b, sm_h, sm_l, HKV,
+                      N: tl.constexpr, NP: tl.constexpr, D: tl.constexpr, BL: tl.constexpr,
+                      S, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr):
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = bh // HKV
+    h = bh % HKV
+    rn = tl.arange(0, NP)
+    rd = tl.arange(0, D)
+    rl = tl.arange(0, BL)
+    heads = h * N + rn  # the query heads of key/value head h
+    q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + rd[None, :], mask=rn[:, None] < N, other=0.0)
+    m_i = tl.full((NP,), -float("inf"), tl.float32)
+    l_i = tl.zeros((NP,), tl.float32)
+    acc = tl.zeros((NP, D), tl.float32)
+    start = split * chunk
+    end = tl.minimum(start + chunk, L)
+    for l0 in range(start, end, BL):
+        offs = l0 + rl
+        valid = offs < end
+        k = tl.load(k_ptr + b * sk_b + h * sk_h + offs[:, None] * sk_l + rd[None, :], mask=valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale  # qk_scale = scale * log2(e)
+        if HAS_MASK:
+            mk = tl.load(m_ptr + b * sm_b + heads[:, None] * sm_h + offs[None, :] * sm_l,
+                         mask=(rn[:, None] < N) & valid[None, :], other=0)
+            if MASK_BOOL:
+                s = tl.where(mk != 0, s, -float("inf"))
+            else:
+                s = s + mk.to(tl.float32) * LOG2E
+        s = tl.where(valid[None, :], s, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # a row with every score -inf so far: keep its sums at 0 instead of exp2(-inf - -inf)
+        m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + b * sv_b + h * sv_h + offs[:, None] * sv_l + rd[None, :], mask=valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    row = (bh * S + split) * NP + rn
+    tl.store(part_o + row[:, None] * D + rd[None, :], acc)
+    tl.store(part_ml + row * 2, m_i)
+    tl.store(part_ml + row * 2 + 1, l_i)
+
+
+@triton.jit
+def _gqa_decode_combine(part_o, part_ml, out_ptr, so_b, so_h, HKV, S,
+                        N: tl.constexpr, NP: tl.constexpr, D: tl.constexpr, SP: tl.constexpr):
+    bh = tl.program_id(0)
+    j = tl.program_id(1)
+    b = bh // HKV
+    h = bh % HKV
+    rs = tl.arange(0, SP)
+    rd = tl.arange(0, D)
+    row = (bh * S + rs) * NP + j
+    m = tl.load(part_ml + row * 2, mask=rs < S, other=-float("inf"))
+    sums = tl.load(part_ml + row * 2 + 1, mask=rs < S, other=0.0)
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == -float("inf"), 0.0, m_max)
+    w = tl.exp2(m - m_max)
+    o = tl.load(part_o + row[:, None] * D + rd[None, :], mask=(rs < S)[:, None], other=0.0)
+    out = tl.sum(o * w[:, None], 0) / tl.sum(sums * w, 0)
+    tl.store(out_ptr + b * so_b + (h * N + j) * so_h + rd, out.to(out_ptr.dtype.element_ty))
+
+
+def gqa_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                      scale: float, splits: int | None = None) -> torch.Tensor:
+    """``q`` [B, Hkv*n, 1, D], ``k``/``v`` [B, Hkv, L, D] (last dim contiguous), ``mask``
+    [B, 1 or Hkv*n, 1, L] (float, added to the scores, or bool, True = attend) or None."""
+    B, H, _, D = q.shape
+    Hkv, L = k.shape[1], k.shape[2]
+    n = H // Hkv
+    NP = max(16, triton.next_power_of_2(n))
+    if splits is None:
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        splits = max(1, min(triton.cdiv(L, BLOCK_L), 2 * sms // (B * Hkv)))
+    chunk = triton.cdiv(triton.cdiv(L, splits), BLOCK_L) * BLOCK_L
+    S = triton.cdiv(L, chunk)
+    part_o = torch.empty(B * Hkv * S * NP * D, device=q.device, dtype=torch.float32)
+    part_ml = torch.empty(B * Hkv * S * NP * 2, device=q.device, dtype=torch.float32)
+    out = torch.empty(B, H, 1, D, device=q.device, dtype=q.dtype)
+    if mask is None:
+        mask_arg, sm_b, sm_h, sm_l = q, 0, 0, 0
+    else:
+        m = mask.expand(B, H, 1, L)  # a view: a shared head dimension gets stride 0
+        mask_arg, (sm_b, sm_h, _, sm_l) = m, m.stride()
+    _gqa_decode_split[(B * Hkv, S)](
+        q, k, v, mask_arg, part_o, part_ml, L, chunk, scale * LOG2E,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        sm_b, sm_h, sm_l, Hkv,
+        N=n, NP=NP, D=D, BL=BLOCK_L, S=S, HAS_MASK=mask is not None,
+        MASK_BOOL=mask is not None and mask.dtype == torch.bool, num_warps=4, num_stages=2)
+    _gqa_decode_combine[(B * Hkv, n)](part_o, part_ml, out, out.stride(0), out.stride(1), Hkv, S,
+                                      N=n, NP=NP, D=D, SP=triton.next_power_of_2(S), num_warps=4)
+    return out
