@@ -30,6 +30,12 @@ from the traced values: one query token, the repeat exactly as above with the ke
 repeated by the same ``n`` from ``[B, Hkv, L, D]`` inputs, no dropout, not causal, no
 ``enable_gqa``, and a mask of shape ``[B, 1 or Hkv*n, 1, L]`` (or none).  Anything else is left
 as traced.
+
+Where the graph will run on CUDA as a CUDA graph and no input requires grad, the attention is
+instead one call of ``quantfuse::gqa_decode`` on the unrepeated keys and values
+(compile_backend/gqa_decode.py: Triton flash decoding, about 1.3x cuDNN's attention on this form).
+The op is a Python call per launch, which only a CUDA graph's replay skips, and has no
+derivative: elsewhere the ``scaled_dot_product_attention`` form above.
 """
 
 from __future__ import annotations
