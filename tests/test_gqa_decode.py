@@ -165,6 +165,26 @@ def test_op_rejects_bad_arguments():
             gqa_decode(*args)
 
 
+def test_kernel_refusal_names_what_the_kernels_do_not_take():
+    from compile_backend.gqa_decode import kernel_refusal
+
+    def args(dtype=torch.float16, d=64, n=4, mask_dtype=None, transposed=False):
+        q = torch.zeros(1, 2 * n, 1, d, dtype=dtype)
+        k = torch.zeros(1, 2, 5, d, dtype=dtype)
+        if transposed:
+            k = torch.zeros(1, 2, d, 5, dtype=dtype).transpose(2, 3)
+        mask = None if mask_dtype is None else torch.zeros(1, 1, 1, 5, dtype=mask_dtype)
+        return q, k, k, mask
+
+    assert "dtype torch.float32" in kernel_refusal(*args(dtype=torch.float32))
+    assert "head size 48" in kernel_refusal(*args(d=48))
+    assert "32 query heads per key/value head" in kernel_refusal(*args(n=32))
+    assert "not contiguous" in kernel_refusal(*args(transposed=True))
+    assert "mask dtype torch.int64" in kernel_refusal(*args(mask_dtype=torch.int64))
+    ok = kernel_refusal(*args(mask_dtype=torch.bool))
+    assert ok is None or ok == "Triton is not installed"
+
+
 def _dynamo_graph(module, args):
     graphs = []
 
