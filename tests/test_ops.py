@@ -370,3 +370,19 @@ def test_infinite_activation_scale_is_non_finite_like_eager():
     assert torch.isfinite(out[[0, 2, 3]]).all()
     sa[1, 0] = float("nan")
     assert torch.isnan(ops.scaled_mm(a, b, sa, sb, od)[1]).all()
+
+
+@pytest.mark.parametrize("M", [1, ops.INT_MM_MAX_ROWS, ops.INT_MM_MAX_ROWS + 1, 64])
+def test_cpu_int8_product_is_the_same_on_either_path(monkeypatch, M):
+    """The CPU reference multiplies int8 operands with torch._int_mm for a few rows and in float64
+    above ``INT_MM_MAX_ROWS``; both are exact, so the two paths give identical sums."""
+    gen = torch.Generator().manual_seed(M)
+    a, b = _rand_int8(M, 96, gen=gen), _rand_int8(40, 96, gen=gen).t()
+    a[0] = -128  # extreme values: the largest partial sums
+    b[:, 0] = -128
+    sums = {}
+    for rows in (0, 10**6):  # float64 always; torch._int_mm always
+        monkeypatch.setattr(ops, "INT_MM_MAX_ROWS", rows)
+        sums[rows] = ops.exact_product(a, b)
+    assert torch.equal(sums[0], sums[10**6])
+    assert torch.equal(sums[0].double(), a.double() @ b.double())
