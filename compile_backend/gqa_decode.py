@@ -69,7 +69,12 @@ def reference(q, k, v, attn_mask, scale):
     """``scaled_dot_product_attention`` with the key/value heads as the batch and their query
     heads as the heads, keys and values expanded along those heads (stride 0)."""
     _check(q, k, v, attn_mask, scale)
-    B, H, _, D = q.shape
+    return _on_kv_heads(q, k, v, attn_mask, scale)
+
+
+def _on_kv_heads(q, k, v, attn_mask, scale):
+    """``reference`` on checked arguments."""
+    B, H = q.shape[:2]
     hkv = k.shape[1]
     n = H // hkv
 
@@ -110,7 +115,7 @@ def _cuda(q, k, v, attn_mask, scale):
     reason = kernel_refusal(q, k, v, attn_mask)
     if reason is not None:
         log.debug("quantfuse.gqa_decode: reference runs: %s", reason)
-        return reference(q, k, v, attn_mask, scale)
+        return _on_kv_heads(q, k, v, attn_mask, scale)
     from .gqa_decode_kernel import gqa_decode_triton
 
     with torch.cuda.device(q.device):

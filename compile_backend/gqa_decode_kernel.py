@@ -90,16 +90,15 @@ def _gqa_decode_combine(part_o, part_ml, out_ptr, so_b, so_h, HKV, S,
 
 
 def gqa_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                      scale: float, splits: int | None = None) -> torch.Tensor:
+                      scale: float) -> torch.Tensor:
     """``q`` [B, Hkv*n, 1, D], ``k``/``v`` [B, Hkv, L, D] (last dim contiguous), ``mask``
     [B, 1 or Hkv*n, 1, L] (float, added to the scores, or bool, True = attend) or None."""
     B, H, _, D = q.shape
     Hkv, L = k.shape[1], k.shape[2]
     n = H // Hkv
     NP = max(16, triton.next_power_of_2(n))
-    if splits is None:
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-        splits = max(1, min(triton.cdiv(L, BLOCK_L), 2 * sms // (B * Hkv)))
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    splits = max(1, min(triton.cdiv(L, BLOCK_L), 2 * sms // (B * Hkv)))
     chunk = triton.cdiv(triton.cdiv(L, splits), BLOCK_L) * BLOCK_L
     S = triton.cdiv(L, chunk)
     part_o = torch.empty(B * Hkv * S * NP * D, device=q.device, dtype=torch.float32)
