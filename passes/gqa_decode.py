@@ -128,6 +128,13 @@ def _rewrite(graph, sdpa: Node, on_cuda_graphs: bool) -> bool:
                                  and (_same(ms[1:2], (1,)) or _same(ms[1:2], (hkv * n,)))):
         return False
 
+    scale = _op_scale(sdpa, qs)
+    if scale is not None and _takes_op((q, rk[0], rv[0], mask), on_cuda_graphs):
+        with graph.inserting_before(sdpa):
+            out = graph.call_function(torch.ops.quantfuse.gqa_decode.default, (q, rk[0], rv[0], mask, scale))
+        _replace(graph, sdpa, out, k, v)
+        return True
+
     def call(fn, *args):
         return graph.call_function(fn, args)
 
@@ -138,13 +145,6 @@ def _rewrite(graph, sdpa: Node, on_cuda_graphs: bool) -> bool:
         sizes = [-1] * 5
         sizes[dim] = size
         return call(torch.flatten, graph.call_method("expand", (call(torch.unsqueeze, x, dim), *sizes)), 0, 1)
-
-    scale = _op_scale(sdpa, qs)
-    if scale is not None and _takes_op((q, rk[0], rv[0], mask), on_cuda_graphs):
-        with graph.inserting_before(sdpa):
-            out = graph.call_function(torch.ops.quantfuse.gqa_decode.default, (q, rk[0], rv[0], mask, scale))
-        _replace(graph, sdpa, out, k, v)
-        return True
 
     with graph.inserting_before(sdpa):
         packed_mask = mask
