@@ -134,6 +134,22 @@ def test_kernel_forced_splits(splits, cluster):
         check_close(out, ref, mag, dtype, f"splits={splits} cluster={cluster} M={M} N={N} K={K} G={G}")
 
 
+@pytest.mark.parametrize("M,warps", [(M, w) for M in (1, 6, 13, 32) for w in (4, 8, 16) if w < 16 or M <= 8])
+def test_decode_kernel_bitwise_reproducible(M, warps):
+    """The warps' and the split blocks' partial sums meet in a fixed order (no atomics): the same
+    call gives the same bits every time, in clusters and through the workspace."""
+    gen = torch.Generator(device=DEV).manual_seed(41 * M + warps)
+    N, K, group = 4096, 4096, 128
+    qw, s, qz, G, q, z = make_awq(K, N, group, torch.float16, gen)
+    x = make_x(M, K, torch.float16, gen)
+    packed = repacked(qw)
+    for splits, cluster in ((1, True), (4, True), (4, False)):
+        outs = [torch.ops.quantfuse._awq_gemm_cuda(x, packed, s, qz, G, None, warps, splits, cluster)
+                for _ in range(8)]
+        for i, out in enumerate(outs[1:], 1):
+            assert torch.equal(out, outs[0]), f"warps={warps} splits={splits} cluster={cluster} M={M}: call {i} differs"
+
+
 def test_fold_path_by_shape():
     """The streaming kernel's two paths go where they measured faster on the H100 (csrc:
     fold_path): the fold path for one token tile and for two in 8-warp blocks, the scaled path

@@ -39,7 +39,8 @@ namespace {
 // 4t + {0, 1, 2, 3}, so its activations are one 8-byte load per token tile.
 //
 // Work split: a block owns one strip and a contiguous K range, its warps split that range;
-// warp partials meet in shared memory (atomic adds); K splits across blocks are a thread
+// warp partials meet in shared memory (stores and adds in a fixed order, so a call's result is
+// the same bits on every run); K splits across blocks are a thread
 // block cluster on sm_90 (partials summed through distributed shared memory, no workspace,
 // no second kernel), elsewhere an fp32 workspace and splitk_reduce_kernel.
 // Weights are loaded kBatch k-steps at a time (2 for several token tiles in 4-warp blocks, see
@@ -92,7 +93,7 @@ __global__ void __launch_bounds__(W * 32, min_warps_per_sm(NT, W) / W) awq_gemm_
     const uint32_t* __restrict__ qzeros, const T* __restrict__ bias, T* __restrict__ out,
     float* __restrict__ partial, int M, int N, int K, int group_size) {
   constexpr bool kFold = fold_path(NT, W);
-  __shared__ __align__(16) float red[red_floats(NT)];
+  __shared__ __align__(16) float red[red_floats(NT, W)];
 
   const int splits = gridDim.x;
   const int split = blockIdx.x;
@@ -107,8 +108,6 @@ __global__ void __launch_bounds__(W * 32, min_warps_per_sm(NT, W) / W) awq_gemm_
   const int per_warp = (ke - kb + W - 1) / W;
   const int wb = min(ke, kb + warp * per_warp);
   const int we = min(ke, wb + per_warp);
-
-  for (int i = threadIdx.x; i < red_floats(NT); i += W * 32) red[i] = 0.0f;
 
   // tot: the warp's sums.  fold: acc and sx hold the current group's, added into tot at its end
   // (unused, and compiled away, on the scaled path, whose MMAs accumulate into tot).
@@ -211,10 +210,9 @@ __global__ void __launch_bounds__(W * 32, min_warps_per_sm(NT, W) / W) awq_gemm_
 
   if constexpr (kFold)
     if (wb < we) fold_group<T, NT>(meta.fold_constants(cur, lane), acc, sx, tot, lane);
-  __syncthreads();  // red zeroed by every thread
-  add_to_red<NT>(red, tot, lane);
-  __syncthreads();
-  store_strip<T, CLUSTER, W * 32>(red, bias, out, partial, M, N, m0, min(8 * NT, M - m0));
+  const int mb = min(8 * NT, M - m0);
+  warps_to_red<NT, W>(red, tot, warp, lane, mb);
+  store_strip<T, CLUSTER, NT, W>(red, bias, out, partial, M, N, m0, mb);
 }
 
 // out[m, n] = sum_s partial[s, m, n] + bias[n], 4 elements per thread (N % 4 == 0).
