@@ -12,6 +12,8 @@ as a fused op (``collecting_report``: fused subgraphs = quantized linears per gr
   graphs), the very first call compared too, every scheme including awq-g128 (hidden 256: AWQ
   kernels want K a multiple of 128).
 
+Both also run other decoder families (Qwen2, Phi3, Gemma, Qwen3: ``OTHER_ARCHITECTURES``).
+
 transformers is an optional dependency (the ``hf`` extra): without it these tests are skipped.
 """
 
@@ -34,20 +36,31 @@ PROMPT = 8
 CACHES_OFF = {"fx_graph_cache": False}
 
 
-def tiny_llama(hidden=128, intermediate=256, heads=4, kv_heads=2, vocab=64, dtype=torch.float32, device="cpu"):
-    """2-layer LlamaForCausalLM with seeded random weights (HF's own init).  Init std 0.1 rather than
-    Llama's 0.02: with 0.02 the tiny model's greedy output repeats one token whatever the input."""
-    cfg = transformers.LlamaConfig(
+def tiny_causal_lm(hidden=128, intermediate=256, heads=4, kv_heads=2, vocab=64, dtype=torch.float32, device="cpu",
+                   arch="Llama"):
+    """2-layer ``<arch>ForCausalLM`` (LlamaForCausalLM by default) with seeded random weights (HF's
+    own init).  Init std 0.1 rather than Llama's 0.02: with 0.02 the tiny model's greedy output
+    repeats one token whatever the input."""
+    cfg = getattr(transformers, f"{arch}Config")(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=2,
         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=64,
         attn_implementation="sdpa", tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
-        pad_token_id=0, initializer_range=0.1)
+        pad_token_id=0, initializer_range=0.1, **OTHER_ARCHITECTURES.get(arch, {}))
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+    model = getattr(transformers, f"{arch}ForCausalLM")(cfg).to(device=device, dtype=dtype).eval()
     # Greedy and no EOS: both calls produce exactly NEW_TOKENS tokens.
     model.generation_config.do_sample = False
     model.generation_config.eos_token_id = None
     return model
+
+
+# Decoders other than Llama, each with what sets it apart in the graph the passes see.
+OTHER_ARCHITECTURES = {
+    "Qwen2": {},  # q/k/v projections with a bias
+    "Phi3": {},  # one fused q/k/v linear and one gate/up linear, split by the model
+    "Gemma": {"head_dim": 32},  # GELU-tanh MLP, (1 + w) RMSNorm, embeddings scaled by sqrt(hidden)
+    "Qwen3": {"head_dim": 32},  # RMSNorm of each query and key head before rotary
+}
 
 
 def quantized_linears(model) -> int:
@@ -141,7 +154,7 @@ CPU_SCHEMES = {"int8": torch.float32, "int8-asym": torch.float32, "fp8-rowwise":
 
 @pytest.mark.parametrize("scheme", list(CPU_SCHEMES))
 def test_generate_cpu(scheme):
-    model = quantize_model(tiny_llama(dtype=CPU_SCHEMES[scheme]), scheme)
+    model = quantize_model(tiny_causal_lm(dtype=CPU_SCHEMES[scheme]), scheme)
     ids = prompt(model.config.vocab_size, "cpu")
     ref = eager_generate(model, ids)
     config = transformers.CompileConfig(backend="quantfuse", mode="default")
@@ -150,10 +163,27 @@ def test_generate_cpu(scheme):
     assert_tokens_match(tokens, logits, *ref, what=scheme, rtol=rtol_for(scheme))
 
 
+# One scheme each, so that together they cover both activation formats and the zero-point path.
+OTHER_ARCHITECTURE_SCHEMES = {"Qwen2": "int8-asym", "Phi3": "awq-g32", "Gemma": "int8", "Qwen3": "fp8-rowwise"}
+
+
+@pytest.mark.parametrize("arch", list(OTHER_ARCHITECTURES))
+def test_generate_cpu_other_architectures(arch):
+    """Other decoder families through the same generate: every quantized linear fused, eager's tokens."""
+    scheme = OTHER_ARCHITECTURE_SCHEMES[arch]
+    model = quantize_model(tiny_causal_lm(dtype=CPU_SCHEMES[scheme], arch=arch), scheme)
+    ids = prompt(model.config.vocab_size, "cpu")
+    ref = eager_generate(model, ids)
+    config = transformers.CompileConfig(backend="quantfuse", mode="default")
+    config._compile_all_devices = True
+    ((tokens, logits),) = compiled_generate(model, ids, config, quantized_linears(model), f"{arch} {scheme}")
+    assert_tokens_match(tokens, logits, *ref, what=f"{arch} {scheme}", rtol=rtol_for(scheme))
+
+
 def _grad_mode_model(scheme, dtype):
     """As built: every float parameter (embedding, RMSNorms, lm_head) trainable; the quantized
     layers' tensors are frozen parameters."""
-    model = quantize_model(tiny_llama(dtype=dtype), scheme)
+    model = quantize_model(tiny_causal_lm(dtype=dtype), scheme)
     quantized = {id(p) for m in model.modules() if isinstance(m, (W8A8Linear, AWQLinear)) for p in m.parameters()}
     assert quantized and torch.is_grad_enabled()
     assert all(p.requires_grad != (id(p) in quantized) for p in model.parameters())
@@ -205,16 +235,17 @@ def test_grad_mode_backward():
 GPU_SCHEMES = ["int8", "int8-asym", "int8-per-tensor", "fp8-rowwise", "fp8", "awq-g128", "awq-g64"]
 
 
-def generate_with_cuda_graphs(scheme, device="cuda", mode="reduce-overhead"):
-    model = quantize_model(tiny_llama(hidden=256, intermediate=512, heads=4, kv_heads=2, dtype=torch.float16,
-                                      device=device), scheme)
+def generate_with_cuda_graphs(scheme, device="cuda", mode="reduce-overhead", arch="Llama"):
+    model = quantize_model(tiny_causal_lm(hidden=256, intermediate=512, heads=4, kv_heads=2, dtype=torch.float16,
+                                          device=device, arch=arch), scheme)
     ids = prompt(model.config.vocab_size, device, seed=4)
     ref = eager_generate(model, ids)
     config = transformers.CompileConfig(backend="quantfuse", mode=mode)
     config._compile_all_devices = device != "cuda"
-    first, second = compiled_generate(model, ids, config, quantized_linears(model), scheme, calls=2)
-    assert_tokens_match(*first, *ref, what=f"{scheme}, first call", rtol=rtol_for(scheme))
-    assert_tokens_match(*second, *ref, what=f"{scheme}, second call", rtol=rtol_for(scheme))
+    what = f"{arch} {scheme}"
+    first, second = compiled_generate(model, ids, config, quantized_linears(model), what, calls=2)
+    assert_tokens_match(*first, *ref, what=f"{what}, first call", rtol=rtol_for(scheme))
+    assert_tokens_match(*second, *ref, what=f"{what}, second call", rtol=rtol_for(scheme))
 
 
 @pytest.mark.gpu
@@ -224,3 +255,13 @@ def test_generate_cuda_graphs(scheme):
     """CUDA graphs from the very first call: the first generate (compile, warm-up run, graph
     recording) and the second (replays) give eager's tokens."""
     generate_with_cuda_graphs(scheme)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("scheme", ["awq-g128", "int8"])
+@pytest.mark.parametrize("arch", list(OTHER_ARCHITECTURES))
+def test_generate_cuda_graphs_other_architectures(arch, scheme):
+    """The other decoder families under CUDA graphs from the first call (the decode attention op
+    included, with their head sizes and biases)."""
+    generate_with_cuda_graphs(scheme, arch=arch)
