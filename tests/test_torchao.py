@@ -629,9 +629,9 @@ def test_hf_llama_int8_dynamic_every_linear_fused(int8_path):
     the next layer's int8 activations by one quantization step; a wrong fusion (a scale on the
     wrong axis, a lost zero-point or offset) puts the logits off by their own size."""
     pytest.importorskip("transformers")
-    from test_e2e_hf import tiny_llama
+    from test_e2e_hf import tiny_causal_lm
 
-    model = tiny_llama(dtype=torch.bfloat16)
+    model = tiny_causal_lm(dtype=torch.bfloat16)
     quantize_(model, Int8DynamicActivationInt8WeightConfig())
     ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(2))
     r = apply_passes(lambda i: model(i).logits, ids)
