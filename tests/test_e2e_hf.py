@@ -152,15 +152,20 @@ CPU_SCHEMES = {"int8": torch.float32, "int8-asym": torch.float32, "fp8-rowwise":
                "awq-g32": torch.bfloat16}
 
 
-@pytest.mark.parametrize("scheme", list(CPU_SCHEMES))
-def test_generate_cpu(scheme):
-    model = quantize_model(tiny_causal_lm(dtype=CPU_SCHEMES[scheme]), scheme)
+def generate_on_cpu(scheme, arch="Llama"):
+    model = quantize_model(tiny_causal_lm(dtype=CPU_SCHEMES[scheme], arch=arch), scheme)
     ids = prompt(model.config.vocab_size, "cpu")
     ref = eager_generate(model, ids)
     config = transformers.CompileConfig(backend="quantfuse", mode="default")
     config._compile_all_devices = True  # transformers compiles on accelerators only unless told
-    ((tokens, logits),) = compiled_generate(model, ids, config, quantized_linears(model), scheme)
-    assert_tokens_match(tokens, logits, *ref, what=scheme, rtol=rtol_for(scheme))
+    what = f"{arch} {scheme}"
+    ((tokens, logits),) = compiled_generate(model, ids, config, quantized_linears(model), what)
+    assert_tokens_match(tokens, logits, *ref, what=what, rtol=rtol_for(scheme))
+
+
+@pytest.mark.parametrize("scheme", list(CPU_SCHEMES))
+def test_generate_cpu(scheme):
+    generate_on_cpu(scheme)
 
 
 # One scheme each, so that together they cover both activation formats and the zero-point path.
@@ -170,14 +175,7 @@ OTHER_ARCHITECTURE_SCHEMES = {"Qwen2": "int8-asym", "Phi3": "awq-g32", "Gemma": 
 @pytest.mark.parametrize("arch", list(OTHER_ARCHITECTURES))
 def test_generate_cpu_other_architectures(arch):
     """Other decoder families through the same generate: every quantized linear fused, eager's tokens."""
-    scheme = OTHER_ARCHITECTURE_SCHEMES[arch]
-    model = quantize_model(tiny_causal_lm(dtype=CPU_SCHEMES[scheme], arch=arch), scheme)
-    ids = prompt(model.config.vocab_size, "cpu")
-    ref = eager_generate(model, ids)
-    config = transformers.CompileConfig(backend="quantfuse", mode="default")
-    config._compile_all_devices = True
-    ((tokens, logits),) = compiled_generate(model, ids, config, quantized_linears(model), f"{arch} {scheme}")
-    assert_tokens_match(tokens, logits, *ref, what=f"{arch} {scheme}", rtol=rtol_for(scheme))
+    generate_on_cpu(OTHER_ARCHITECTURE_SCHEMES[arch], arch=arch)
 
 
 def _grad_mode_model(scheme, dtype):
