@@ -33,8 +33,8 @@ CSRC_PATTERNS = ["**/*.cu", "**/*.cuh", "**/*.cpp", "**/*.h", "**/*.hpp"]
 
 
 def _build_config():
-    """compile_backend/build_config.py, loaded by path: importing the package needs torch."""
-    path = ROOT / "compile_backend" / "build_config.py"
+    """compile_backend/kernels/build_config.py, loaded by path: importing the package needs torch."""
+    path = ROOT / "compile_backend" / "kernels" / "build_config.py"
     spec = importlib.util.spec_from_file_location("_quantfuse_build_config", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Benchmarks and tools on a GPU machine, after .ci/gpu_check.sh built the extension (same
 # TORCH_EXTENSIONS_DIR).  Stages, in the order given: w8a8 (bench_scaled_mm, rotate + flush at
-# decode M), w8a8_decode (bench_scaled_mm_decode), w8a8_configs (bench_scaled_mm_configs: the
+# decode M), w8a8_decode (dev/bench_scaled_mm_decode), w8a8_configs (dev/bench_scaled_mm_configs: the
 # SM90 tile configs forced at prefill M; CONFIGS_ARGS passes options), awq (bench_awq), awq_sanitize
 # (compute-sanitizer memcheck + racecheck over the AWQ kernels), sass (the AWQ streaming
 # kernel's SASS).  Output under $OUT.
@@ -18,9 +18,9 @@ for stage in "$@"; do
       python3 benchmarks/bench_scaled_mm.py --timer flush --ms 1,16 --out "$OUT/w8a8_flush" > "$OUT/w8a8_flush.log" 2>&1
       grep -E "^N=" "$OUT/w8a8_flush.log" ;;
     w8a8_decode)
-      python3 benchmarks/bench_scaled_mm_decode.py --ms 1,16 --out "$OUT/w8a8_decode" > "$OUT/w8a8_decode.log" 2>&1 ;;
+      python3 benchmarks/dev/bench_scaled_mm_decode.py --ms 1,16 --out "$OUT/w8a8_decode" > "$OUT/w8a8_decode.log" 2>&1 ;;
     w8a8_configs)
-      python3 benchmarks/bench_scaled_mm_configs.py --out "$OUT/w8a8_configs" ${CONFIGS_ARGS:-} > "$OUT/w8a8_configs.log" 2>&1
+      python3 benchmarks/dev/bench_scaled_mm_configs.py --out "$OUT/w8a8_configs" ${CONFIGS_ARGS:-} > "$OUT/w8a8_configs.log" 2>&1
       grep -E "^ *(int8|float8)" "$OUT/w8a8_configs.log" ;;
     awq)
       python3 benchmarks/bench_awq.py --out "$OUT/awq" ${AWQ_ARGS:-} > "$OUT/awq.log" 2>&1 ;;

@@ -3,7 +3,7 @@
 # (no dependencies fetched), build the CUDA extension, run the full test suite (CPU and GPU
 # tests), then the demo. CUTLASS comes as a wheel in .whl/ when the machine lacks it.
 # Logs go to $OUT (or ./gpu_check_out).  Knobs: PYTEST_ARGS, PYTEST_WORKERS, SKIP_DEMO=1,
-# QUANTFUSE_CSRC_ONLY (build a subset of csrc/, see compile_backend/kernels.py).
+# QUANTFUSE_CSRC_ONLY (build a subset of csrc/, see compile_backend/kernels/loader.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_check_out}; mkdir -p "$OUT"
@@ -16,7 +16,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.lo
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c 'import torch; print("torch", torch.__version__)'
 start=$SECONDS
-python3 -m compile_backend.build 2>&1 | tee "$OUT/build.log" | tail -3
+python3 -m compile_backend.kernels.build 2>&1 | tee "$OUT/build.log" | tail -3
 echo "build: $((SECONDS - start)) s"
 python3 -m pytest -q -n ${PYTEST_WORKERS:-8} -p no:cacheprovider ${PYTEST_ARGS:-tests/} --junitxml="$OUT/junit.xml" \
   > "$OUT/pytest.log" 2>&1

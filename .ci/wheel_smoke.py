@@ -34,7 +34,7 @@ def main(argv: list[str]) -> int:
     import torch
 
     import compile_backend
-    from compile_backend import kernels
+    from compile_backend.kernels import loader as kernels
     from compile_backend.quantize import W8A8Linear
 
     where = Path(compile_backend.__file__).resolve()

@@ -37,7 +37,8 @@ what ran before it.  ``--cold-compile`` starts from empty caches (one config per
 Results are written after every measurement to ``--out``/results_e2e.{json,md} (png after each
 config); a measurement that fails is recorded with its error and the run goes on.  ``--budget-s``
 skips what would start after that many seconds.  ``--merge A.json B.json ... --out DIR`` combines runs
-into one report (ratios against the fp16 rows; the md names the run of every row).
+into one report: each config, path and batch from the latest run that measured it, ratios against the fp16
+row of that run, and only the runs some row comes from (the md names the run of every row).
 
     python benchmarks/bench_e2e.py --quick --out /tmp/e2e_smoke            # 2 layers, short
     python benchmarks/bench_e2e.py --configs fp16,int8 --paths loop --out DIR
@@ -679,7 +680,7 @@ def warm_up(args, meta: dict):
 
     if any(backend_of(c) == "quantfuse" for c in args.config_list):
         if dev == "cuda":
-            from compile_backend import kernels
+            from compile_backend.kernels import loader as kernels
 
             log("loading the quantfuse CUDA extension (a first build takes minutes)")
             ok, w["extension_load_s"] = timer(kernels.ensure_loaded)
@@ -835,37 +836,72 @@ def _own_baseline(configs: dict, key: str, sub: str | None, run: str, file_run: 
     return meas.get("ttft_ms") if key == "prefill" or sub == "ttft" else meas.get("tok_per_s")
 
 
+def _run_time(run_id: str) -> str:
+    """The UTC start of a run from its id (``%Y%m%dT%H%M%SZ-<pid>``): sorts as the runs started."""
+    return str(run_id).split("-")[0]
+
+
+def _replaces(new: dict, old: dict | None) -> bool:
+    """Whether measurement ``new`` takes the place of ``old`` (the same config, path and batch, or the
+    same config's prefill): the later run's wins, but a skipped measurement never hides one that ran."""
+    if old is None:
+        return True
+    if ("skipped" in new) != ("skipped" in old):
+        return "skipped" in old
+    return _run_time(new["run"]) >= _run_time(old["run"])
+
+
+def _measurements(configs: dict):
+    """(config, path or "prefill", batch key or None, measurement) of every measurement in ``configs``."""
+    for name, rec in configs.items():
+        for key in PATHS:
+            for sub, meas in (rec.get(key) or {}).items():
+                if isinstance(meas, dict):
+                    yield name, key, sub, meas
+        if isinstance(rec.get("prefill"), dict):
+            yield name, "prefill", None, rec["prefill"]
+
+
 def merge(paths) -> dict:
-    """Configs from several runs in one report.  A measurement (a path and batch, the prefill) present
-    in several files keeps the later file's, unless that one was skipped; each says which run made it
-    and keeps the baseline of that run (``own_baseline``), so that its ratio is never across runs."""
+    """Configs from several runs in one report, each measurement (a config's path and batch, its
+    prefill) from the latest run that made it, unless that one was skipped.  Each says which run made
+    it and keeps the baseline of that run (``own_baseline``), so that its ratio is never across runs.
+    The report lists only the runs that made a measurement it keeps, in the order they ran."""
     merged = {"meta": None, "configs": {}}
+    runs = {}
     for p in paths:
         with open(p) as f:
             data = json.load(f)
         run = data["meta"]["run_id"]
         if merged["meta"] is None:
             merged["meta"] = {k: v for k, v in data["meta"].items() if k != "runs"}
-            merged["meta"]["runs"] = []
-        merged["meta"]["runs"] += data["meta"].get("runs", [data["meta"]])
+        for r in data["meta"].get("runs", [data["meta"]]):
+            runs[r["run_id"]] = r
         for name, rec in data["configs"].items():
             into = merged["configs"].setdefault(name, {})
             for key, value in rec.items():
                 if key in PATHS and isinstance(value, dict):
                     for sub, meas in value.items():
-                        if "skipped" not in meas or sub not in into.setdefault(key, {}):
-                            made = meas.get("run", run)
-                            own = meas.get("own_baseline", _own_baseline(data["configs"], key, sub, made, run))
-                            into.setdefault(key, {})[sub] = {"run": run, **meas, "own_baseline": own}
+                        made = meas.get("run", run)
+                        own = meas.get("own_baseline", _own_baseline(data["configs"], key, sub, made, run))
+                        meas = {**meas, "run": made, "own_baseline": own}
+                        if _replaces(meas, into.setdefault(key, {}).get(sub)):
+                            into[key][sub] = meas
                 elif key == "prefill" and isinstance(value, dict):
-                    if "skipped" not in value or key not in into:
-                        made = value.get("run", run)
-                        own = value.get("own_baseline", _own_baseline(data["configs"], key, None, made, run))
-                        into[key] = {"run": run, **value, "own_baseline": own}
+                    made = value.get("run", run)
+                    own = value.get("own_baseline", _own_baseline(data["configs"], key, None, made, run))
+                    value = {**value, "run": made, "own_baseline": own}
+                    if _replaces(value, into.get(key)):
+                        into[key] = value
                 elif key != "skipped" or not into:
                     into[key] = value
             if "skipped" in into and any(k in into for k in ("loop", "generate", "prefill")):
                 del into["skipped"]
+    kept = {meas["run"] for _, _, _, meas in _measurements(merged["configs"])}
+    merged["meta"]["runs"] = sorted((r for r in runs.values() if r["run_id"] in kept),
+                                    key=lambda r: _run_time(r["run_id"]))
+    if merged["meta"]["run_id"] not in kept:
+        merged["meta"].pop("warmup", None)  # the one-time costs of a run the report no longer lists
     merged["meta"]["merged_from"] = [os.path.abspath(p) for p in paths]
     return merged
 
@@ -926,6 +962,9 @@ def render_md(results) -> str:
     for r in runs:
         head.append(f"- run {run_no[r['run_id']]} ({r['run_id']}): {r.get('gpu') or 'CPU'}; torch {r['torch']}; "
                     f"transformers {r['transformers']}; {r['date']}; `bench_e2e.py {' '.join(r.get('argv', []))}`")
+    if len(runs) > 1:
+        head.append("\nEach row is the latest run of its config, path and batch (its `run` column); the runs above "
+                    "are those rows' runs.")
     a = m["args"]
     head.append(f"\nDecode: context {a['context']} tokens, {a['steps']} timed steps, greedy; compile mode "
                 f"`{a['mode']}`. tok/s = batch x steps/s. GPU = profiler device time per step; host = wall - "
@@ -956,8 +995,8 @@ def render_md(results) -> str:
                 "run) / this TTFT. Compile ratio: quantfuse's compile time over plain Inductor's on the same quantized "
                 "model (loop, first batch). Error ratio: this config's decode error over the @inductor one's.\n",
             "| config | loop TTFT ms | x fp16 | prefill compile s | prefill err | generate TTFT ms | x fp16 | "
-            "compile ratio | decode err / @inductor | weights GB | notes |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "compile ratio | decode err / @inductor | weights GB | notes | run (loop / generate) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, c in results["configs"].items():
         p = c.get("prefill") or {}
         g = (c.get("generate") or {}).get("ttft") or {}
@@ -965,12 +1004,13 @@ def render_md(results) -> str:
         gen_x = bg / g["ttft_ms"] if bg and g.get("ttft_ms") else None
         ratio, err_ratio = _vs_inductor(results, name, c)
         notes = [c.get("skipped"), c.get("error"), p.get("error"), p.get("skipped"), g.get("error")]
+        made = " / ".join(str(run_no.get(x.get("run", m["run_id"]), "?")) if x else "-" for x in (p, g))
         out.append(f"| {name} | {_fmt(p.get('ttft_ms'))} | "
                    f"{_fmt(bl / p['ttft_ms'] if bl and p.get('ttft_ms') else None)} | "
                    f"{_fmt(p.get('compile_s'), '.1f')} | {_fmt(p.get('logits_rel_err'), '.2e')} | "
                    f"{_fmt(g.get('ttft_ms'), '.1f')} | {_fmt(gen_x)} | "
                    f"{_fmt(ratio)} | {_fmt(err_ratio)} | {_fmt(c.get('weights_gb'), '.3g')} | "
-                   f"{_md_cell('; '.join(str(n) for n in notes if n), 120)} |")
+                   f"{_md_cell('; '.join(str(n) for n in notes if n), 120)} | {made} |")
     w = m.get("warmup") or {}
     if w:
         out.append(f"\nOne-time costs before the first config: Inductor warm-up {_fmt(w.get('inductor_s'), '.1f')} s; "
@@ -1008,6 +1048,8 @@ def _vs_inductor(results, name, c):
     if first is None:
         return None, None
     a, b = ours_l[first], base_l[first]
+    if a.get("run") != b.get("run"):  # a merged report: measured in different runs, not comparable
+        return None, None
     ratio = a["compile_s"] / b["compile_s"] if a.get("compile_s") and b.get("compile_s") else None
     ea, eb = a.get("logits_rel_err"), b.get("logits_rel_err")
     return ratio, (ea / eb if ea is not None and eb else None)
@@ -1078,8 +1120,10 @@ def plot(results, path):
         ax.set_title(f"batch {B}")
         ax.legend(fontsize=7)
     m = results["meta"]
-    fig.suptitle(f"Llama {m['model']['layers']} layers, decode tok/s ({m.get('gpu') or 'CPU'}, {m['date']})",
-                 fontsize=9)
+    runs = m.get("runs", [m])
+    gpus = ", ".join(dict.fromkeys(r.get("gpu") or "CPU" for r in runs))
+    when = m["date"] if len(runs) == 1 else f"{len(runs)} runs, {runs[0]['date']} to {runs[-1]['date']}"
+    fig.suptitle(f"Llama {m['model']['layers']} layers, decode tok/s ({gpus}; {when})", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import compile_backend  # noqa: F401  (registers the op)
-from compile_backend.gqa_decode import gqa_decode, reference
+from compile_backend.ops.gqa_decode import gqa_decode, reference
 
 LAYERS = 32
 

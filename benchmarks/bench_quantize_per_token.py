@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from timing import copies_for, copy_bandwidth, load_kernels, rotating  # noqa: E402
 
-from compile_backend.quantize_per_token import reference  # noqa: E402
+from compile_backend.ops.quantize_per_token import reference  # noqa: E402
 
 SHAPES = ((1, 4096), (16, 4096), (256, 4096), (2048, 4096), (2048, 14336))
 MODES = {"int8": (torch.int8, True), "int8-asym": (torch.int8, False), "fp8": (torch.float8_e4m3fn, True)}

@@ -53,7 +53,6 @@ def main() -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    from compile_backend import ops
 
     load_kernels()
     torch.manual_seed(0)
@@ -122,11 +121,11 @@ def main() -> int:
             sets = [activations(w, M, K) for w in wsets]
             bf_sets = [(torch.randn(M, K, device="cuda", dtype=torch.bfloat16), w) for w in wbf]
             r = {"N": N, "K": K, "M": M}
-            r["ours"] = measure("ours", sets, lambda s: ops.scaled_mm(
+            r["ours"] = measure("ours", sets, lambda s: torch.ops.quantfuse.scaled_mm(
                 s["a8"], s["b8"], s["sa"], s["sb"], torch.bfloat16, s["bias"]))
-            r["ours_azp"] = measure("ours_azp", sets, lambda s: ops.scaled_mm_azp(
+            r["ours_azp"] = measure("ours_azp", sets, lambda s: torch.ops.quantfuse.scaled_mm_azp(
                 s["a8"], s["b8"], s["sa"], s["sb"], torch.bfloat16, s["colsum"], s["azp"], s["bias"]))
-            r["ours_fp8"] = measure("ours_fp8", sets, lambda s: ops.scaled_mm(
+            r["ours_fp8"] = measure("ours_fp8", sets, lambda s: torch.ops.quantfuse.scaled_mm(
                 s["af8"], s["wf8"].t(), s["sa"], s["sb"], torch.bfloat16, s["bias"]))
             # our CUTLASS fp8 kernels even where the op routes to cuBLASLt (M >= 256: scaled_mm_dispatch.cpp)
             r["ours_fp8_cutlass"] = measure("ours_fp8_cutlass", sets, lambda s: torch.ops.quantfuse._scaled_mm_cutlass(

@@ -84,7 +84,7 @@ def main():
             sets = [make_set(M, N, K, dtype, gen) for _ in range(copies)]
             dense = [w.to(dtype) for _, w, _, _ in sets]
             calls = {
-                "ours": [lambda c=c: ops.w8a16_gemm(*c) for c in sets],
+                "ours": [lambda c=c: torch.ops.quantfuse.w8a16_gemm(*c) for c in sets],
                 "ours_prefill": [lambda c=c: ops._w8a16_prefill_cuda(*c) for c in sets],
                 "torchao_eager": [lambda c=c: (torch.mm(c[0], c[1].t().to(dtype)) * c[2].to(dtype)) + c[3]
                                   for c in sets],

@@ -36,7 +36,7 @@ def load_kernels() -> None:
     """Loads the CUDA kernels as a program's first CUDA call of a quantfuse op does (after which
     the public ops' C++ implementations serve every call); exits if they cannot be loaded."""
     import compile_backend  # noqa: F401  (registers the ops)
-    from compile_backend import kernels
+    from compile_backend.kernels import loader as kernels
 
     qweight = torch.zeros(16, 8, dtype=torch.int32, device="cuda")
     scales = torch.ones(1, 64, dtype=torch.float16, device="cuda")

@@ -2,17 +2,14 @@
 
 ``torch.compile(model, backend="quantfuse")`` works after installation without
 importing this package; import it for the ops (``torch.ops.quantfuse.*``),
-the reference modules (``compile_backend.quantize``) and ``explain``.
+the quantized modules and ``quantize_model`` (``compile_backend.quantize``), ``explain`` and
+``from_pretrained``.  The package's map is docs/DESIGN.md's first section.
 """
 
 from . import (  # noqa: F401  (imported for their registrations)
-    autograd,  # registers the ops' autograd formulas
     backend,
-    gqa_decode,  # registers torch.ops.quantfuse.gqa_decode
+    derived,  # writes through .data to tensors that do not require grad are seen
     ops,  # registers torch.ops.quantfuse.* (CUDA kernels load at the first CUDA call)
-    quantize_per_token,  # registers torch.ops.quantfuse.quantize_per_token
-    tensor_data,  # writes through .data to tensors that do not require grad are seen
-    weight_cache,  # registers torch.ops.quantfuse.weight_colsum
 )
 from .backend import quantfuse
 from .explain import explain

@@ -31,7 +31,7 @@ as ``BackendCompilerFailed``); fallback is for real compile failures only.
 
 ``mode`` works as for Inductor ("reduce-overhead" turns on CUDA graphs,
 "max-autotune" max-autotune).  A graph run as a CUDA graph refuses to run once a weight it
-read derived values of has changed since it was captured (``captured_graphs.py``).
+read derived values of has changed since it was captured (``derived/captured_graphs.py``).
 """
 
 from __future__ import annotations
@@ -179,7 +179,7 @@ def _held_as_plain_parameters(gm: torch.fx.GraphModule, example_inputs, config_p
     the frozen constants are the weights themselves), and ``HeldParameter``s again after."""
     from torch._inductor import config
 
-    from compile_backend.held_parameter import HeldParameter
+    from compile_backend.derived import HeldParameter
 
     held = []
     if config_patches.get("freezing", config.freezing):
@@ -210,13 +210,12 @@ def _compile(gm: torch.fx.GraphModule, example_inputs, ours: dict, inductor_patc
     if not ours["passes"]:
         return compile_fx(gm, example_inputs, config_patches=inductor_patches)
 
-    from compile_backend import freed_weights
-    from compile_backend.captured_graphs import guard_derived_reads, uses_cuda_graphs
+    from compile_backend.derived import guard_derived_reads, uses_cuda_graphs, watch
     from compile_backend.passes import make_graph_passes
 
     patches = install_passes(inductor_patches, make_graph_passes(ours))
     # The values our ops derive from this graph's weights go when the weights do.
-    freed_weights.watch([*example_inputs, *gm.parameters(), *gm.buffers()])
+    watch([*example_inputs, *gm.parameters(), *gm.buffers()])
     try:
         if ours["gqa_decode"]:
             from torch._dynamo.utils import counters

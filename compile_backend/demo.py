@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from .llama import LlamaConfig, tiny_llama
+from .models.llama import LlamaConfig, tiny_llama
 from .quantize import quantize_model
 
 

@@ -12,7 +12,8 @@
   (``K/ranks`` a multiple of the group size), or lies inside one group (the group size a multiple of
   ``K/ranks``: the shard takes that group's scales and zeros, with ``K/ranks`` as its group size).  A group
   that would straddle two shards otherwise raises ``ValueError`` naming the layer, the group size and the
-  shard size.
+  shard size; so does an act-order AWQ layer (``perm``: its rows are input channels reordered over the
+  whole ``K``), which splits column-wise only, each shard keeping the whole order.
 
 Dynamic activation quantization of a row-parallel W8A8 layer computes its scales over the local ``K``
 shard (as every rank quantizes only its slice of the input), so its result differs from the unsharded
@@ -36,9 +37,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import _functional_collectives as funcol
 
-from .held_parameter import HeldParameter
-from .ops import AWQ_PACK
-from .quantize import AWQLinear, W8A8Linear, set_tensors
+from .derived import HeldParameter
+from .ops.awq_gemm import AWQ_PACK
+from .quantize.modules import AWQLinear, W8A8Linear, set_tensors
 
 COLWISE, ROWWISE = "colwise", "rowwise"
 
@@ -125,12 +126,16 @@ def _shard_awq(mod: AWQLinear, name: str, style: str, rank: int, ranks: int):
     if style == COLWISE:
         n = _share(name, "out_features", N, ranks, AWQ_PACK)
         with torch.device("meta"):
-            local = AWQLinear(K, n, group_size=G, bias=mod.bias is not None, dtype=dtype)
+            local = AWQLinear(K, n, group_size=G, bias=mod.bias is not None, dtype=dtype,
+                              act_order=mod.perm is not None)
         set_tensors(local, qweight=_slice(mod.qweight, 1, rank, n // AWQ_PACK),
                      qzeros=_slice(mod.qzeros, 1, rank, n // AWQ_PACK), scales=_slice(mod.scales, 1, rank, n),
-                     bias=_slice(mod.bias, 0, rank, n))
+                     bias=_slice(mod.bias, 0, rank, n), perm=_slice(mod.perm, 0, 0, K))
         local.out_dtype = mod.out_dtype
         return local, None
+    if mod.perm is not None:
+        raise ValueError(f"tensor_parallel: layer {name!r}: an act-order AWQ layer (its input channels reordered "
+                         "over the whole K, e.g. a GPTQ desc_act checkpoint) cannot be split row-wise")
     k = _share(name, "in_features", K, ranks)
     if k % G == 0:  # whole groups per shard
         group, rows, first = G, k // G, rank * k // G

@@ -58,7 +58,7 @@ from torch._inductor.pattern_matcher import (
 )
 from torch.fx import Node
 
-from compile_backend.ops import AWQ_ACT_DTYPES, AWQ_PACK, AWQ_SHIFTS, awq_dequantize_reference
+from compile_backend.ops.awq_gemm import AWQ_ACT_DTYPES, AWQ_PACK, AWQ_SHIFTS, awq_dequantize_reference
 
 from . import dequant_probe
 from .dequant_probe import Probe, SizeMap, Subgraph

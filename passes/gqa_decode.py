@@ -33,7 +33,7 @@ as traced.
 
 Where the graph will run on CUDA as a CUDA graph and no input requires grad, the attention is
 instead one call of ``quantfuse::gqa_decode`` on the unrepeated keys and values
-(compile_backend/gqa_decode.py: Triton flash decoding, about 1.3x cuDNN's attention on this form).
+(compile_backend/ops/gqa_decode.py: Triton flash decoding, about 1.3x cuDNN's attention on this form).
 The op is a Python call per launch, which only a CUDA graph's replay skips, and has no
 derivative: elsewhere the ``scaled_dot_product_attention`` form above.
 """

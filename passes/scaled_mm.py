@@ -88,6 +88,7 @@ import torch
 from torch._inductor.pattern_matcher import CallFunction, KeywordArg, Match, PatternExpr, PatternMatcherPass
 from torch.fx import Node
 
+from .dequant_matmul import check_dequant_matmul, dequant_matmul_patterns
 from .fx_helpers import (
     ADD,
     CONVERT,
@@ -99,9 +100,7 @@ from .fx_helpers import (
     as_bias_vector,
     as_scale_vector,
     bias_ok,
-    check_dequant_matmul,
     check_scale_dtype,
-    dequant_matmul_patterns,
     is_scalar_like,
     known,
     mul_either,

@@ -27,7 +27,7 @@ terms and their difference to ``dt`` (docs/DESIGN.md, "Rounding").  Both ``s_a``
 views of one scale, and the row sums those of the GEMM's own weight.
 
 ``colsum(b)`` comes from ``quantfuse::weight_colsum(weight)``
-(``compile_backend/weight_cache.py``): constant-folded under ``freezing``,
+(``compile_backend/ops/scaled_mm_azp.py``): constant-folded under ``freezing``,
 otherwise served from a per-weight cache, so the column sums are computed once
 per weight, never per call.  For a per-tensor zero point the ``[N]`` product
 ``z_a · colsum`` is per call (``z_a`` may be computed per call); it is a
@@ -43,8 +43,9 @@ import torch
 from torch._inductor.pattern_matcher import CallFunction, KeywordArg, Match, PatternExpr, PatternMatcherPass
 from torch.fx import Node
 
-from compile_backend.weight_cache import azp_operands
+from compile_backend.ops.scaled_mm_azp import azp_operands
 
+from .dequant_matmul import check_dequant_matmul, dequant_matmul_patterns
 from .fx_helpers import (
     CONVERT,
     F32,
@@ -55,8 +56,6 @@ from .fx_helpers import (
     Reject,
     as_bias_vector,
     as_scale_vector,
-    check_dequant_matmul,
-    dequant_matmul_patterns,
     is_per_token_shape,
     known,
     mul_either,

@@ -59,7 +59,7 @@ from torch._inductor.pattern_matcher import (
     register_graph_pattern,
 )
 
-from compile_backend.ops import W8A16_ACT_DTYPES
+from compile_backend.ops.w8a16_gemm import W8A16_ACT_DTYPES
 
 from .candidates import quantized_source
 from .fx_helpers import (

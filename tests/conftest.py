@@ -45,7 +45,7 @@ def load_cuda_kernels() -> None:
     """Loads the CUDA kernels as a program's first CUDA call of a public op does (compile_backend.ops'
     bootstrap, after which the C++ implementations serve every call); asserts they loaded."""
     import compile_backend  # noqa: F401  (registers the ops)
-    from compile_backend import kernels
+    from compile_backend.kernels import loader as kernels
 
     qweight = torch.zeros(16, 8, dtype=torch.int32, device=DEV)
     scales = torch.ones(1, 64, dtype=torch.float16, device=DEV)
@@ -72,7 +72,7 @@ def isolated_loader(monkeypatch):
     load (a prebuilt library, a failed build).  Its load hooks are emptied: a simulated load must
     not remove or reinstall the ops' CUDA registrations of this process, where on a GPU machine the
     real kernels are loaded (a reinstalled bootstrap would take every CUDA call from then on)."""
-    from compile_backend import kernels
+    from compile_backend.kernels import loader as kernels
 
     monkeypatch.setattr(kernels, "_state", {"status": "unloaded", "error": None, "kernels": None, "library": None})
     monkeypatch.setattr(kernels, "_before_load", [])

@@ -207,7 +207,7 @@ def test_option_spellings_inductor_accepts(monkeypatch):
 @pytest.mark.compile
 def test_compiled_quantized_model_matches_eager():
     """The foundation's end-to-end check: a quantize_model model compiles and matches eager."""
-    from compile_backend.llama import tiny_llama
+    from compile_backend.models.llama import tiny_llama
     from compile_backend.quantize import quantize_model
 
     model = quantize_model(tiny_llama(), "int8")
@@ -242,7 +242,7 @@ class _GraphOps:
 def test_cuda_graph_compiles_are_guarded(monkeypatch):
     """With CUDA graphs (mode="reduce-overhead") the compiled graph runs between the derived-value
     cache's graph_enter and graph_exit; without them it is Inductor's own callable."""
-    from compile_backend import captured_graphs
+    from compile_backend.derived import captured_graphs
 
     monkeypatch.setattr("torch._inductor.compile_fx.compile_fx", lambda gm, inputs, config_patches=None: gm.forward)
     gm = torch.fx.symbolic_trace(torch.nn.ReLU())
@@ -260,7 +260,8 @@ def test_cuda_graph_guard_enters_checks_and_exits(monkeypatch):
     graph's id (which raises, without running the graph, when a weight it captured derived
     values of has changed) and exits after, also when the graph raises; the record of a graph
     that is gone is dropped."""
-    from compile_backend import captured_graphs, kernels
+    from compile_backend.derived import captured_graphs
+    from compile_backend.kernels import loader as kernels
 
     ran = []
 

@@ -31,7 +31,7 @@ transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from compile_backend.checkpoints import UnsupportedCheckpointError, from_pretrained  # noqa: E402
-from compile_backend.held_parameter import HeldParameter  # noqa: E402
+from compile_backend.derived.held_parameter import HeldParameter  # noqa: E402
 from compile_backend.ops import awq_unpack  # noqa: E402
 from compile_backend.passes import collecting_report  # noqa: E402
 from compile_backend.quantize import AWQLinear, W8A8Linear, held_tensors, quantize_weight_awq  # noqa: E402
@@ -554,7 +554,7 @@ CT_ERRORS = [
     (("config_groups", "group_0", "weights", "actorder"), "group", r"weights\.actorder.*act-order"),
     (("config_groups", "group_0", "weights", "symmetric"), False, r"weights\.symmetric.*asymmetric weights"),
     (("config_groups", "group_0", "input_activations"), None, r"input_activations = None.*weight-only"),
-    (("quant_method",), "gptq", r"quant_method = 'gptq'"),
+    (("quant_method",), "hqq", r"quant_method = 'hqq'"),
     (("sparsity_config",), {"format": "sparse-24-bitmask"}, r"sparsity_config"),
 ]
 

@@ -13,7 +13,7 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 import compile_backend
-from compile_backend import weight_cache
+from compile_backend.ops import scaled_mm_azp as azp_op
 from compile_backend.passes import collecting_report
 from compile_backend.quantize import W8A8Linear
 
@@ -81,7 +81,7 @@ def test_asymmetric_compiles_to_scaled_mm_azp_and_sums_weights_once():
     gen = torch.Generator().manual_seed(2)
     mod = W8A8Linear.from_linear(torch.nn.Linear(K, N), symmetric=False, out_dtype=torch.float32)
     compiled = _compile(mod)
-    weight_cache.clear_cache()
+    azp_op.clear_colsum_cache()
     with torch.no_grad():
         x = torch.randn(3, K, generator=gen) + 0.3
         out, (code, *_) = run_and_get_code(compiled, x)
@@ -91,8 +91,8 @@ def test_asymmetric_compiles_to_scaled_mm_azp_and_sums_weights_once():
             _close_to_module(compiled(x), mod(x))
     _code_fuses(code, "scaled_mm_azp")
     # Four calls of the compiled module: the column sums were computed once.
-    assert weight_cache.stats["computed"] == 1, weight_cache.stats
-    assert weight_cache.stats["hits"] == 3, weight_cache.stats
+    assert azp_op.colsum_stats["computed"] == 1, azp_op.colsum_stats
+    assert azp_op.colsum_stats["hits"] == 3, azp_op.colsum_stats
 
 
 def test_dynamic_batch_compiles_at_most_twice():

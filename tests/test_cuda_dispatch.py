@@ -1,7 +1,7 @@
 """GPU tests of the public ops' C++ dispatch (csrc/*/*_dispatch.cpp) and of the values it
 derives from weights (csrc/common/derived_cache.*).
 
-* The C++ operand checks mirror the Python rules of compile_backend/ops.py: on the same
+* The C++ operand checks mirror the Python rules of compile_backend/ops/: on the same
   malformed inputs the Python check raises QuantfuseInputError, the C++ dispatch gives a
   reason (so the reference runs) and the public op raises QuantfuseInputError; on
   well-formed inputs a kernel takes them and the result matches the references.
@@ -471,7 +471,7 @@ def _plain_tensors(layer):
 def test_reduce_overhead_refuses_changed_weights(family, write, holder):
     """A graph captured under mode="reduce-overhead" replays the derived values (repacked AWQ
     weight, column sums) it was captured with.  Once a weight changes in place -- through the
-    tensor or through ``.data``, held by our module or as a plain parameter (tensor_data.py) --
+    tensor or through ``.data``, held by our module or as a plain parameter (derived/tensor_data.py) --
     the next call raises, naming the weight, instead of computing with the old one; compiled
     again, the model matches eager with the new weights."""
     torch._dynamo.reset()

@@ -1,4 +1,4 @@
-"""GPU tests of compile_backend/freed_weights.py with the derived-value cache
+"""GPU tests of compile_backend/derived/freed_weights.py with the derived-value cache
 (csrc/common/derived_cache.cpp): the values made from a weight are freed as the weight is, with
 no later call of ours in between; values made from such values (the repacked layout of a
 concatenation) go with them.
@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from compile_backend import freed_weights
+from compile_backend.derived import freed_weights
 from compile_backend.quantize import quantize_model
 
 pytestmark = pytest.mark.gpu

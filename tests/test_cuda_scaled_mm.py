@@ -71,7 +71,7 @@ def test_scaled_mm_epilogue_matrix(in_dtype, out_dtype):
         a, b, sa, sb, bias = make_inputs(M, N, K, in_dtype, out_dtype, sa_tok, sb_ch, with_bias)
         assert w8a8_kernel_reason(a, b, sa, sb, out_dtype, bias) == ""
         poison((M, N), out_dtype)
-        out = ops.scaled_mm(a, b, sa, sb, out_dtype, bias)
+        out = torch.ops.quantfuse.scaled_mm(a, b, sa, sb, out_dtype, bias)
         check_w8a8(out, w8a8_reference64(a, b, sa, sb, bias), out_dtype, in_dtype)
 
 
@@ -147,7 +147,7 @@ def test_m_sweep_llm_shapes(M):
     in_dtype = torch.float8_e4m3fn if i % 3 == 2 and fp8_ok else torch.int8
     a, b, sa, sb, bias = make_inputs(M, N, K, in_dtype, torch.bfloat16, True, True, True)
     poison((M, N), torch.bfloat16)
-    out = ops.scaled_mm(a, b, sa, sb, torch.bfloat16, bias)
+    out = torch.ops.quantfuse.scaled_mm(a, b, sa, sb, torch.bfloat16, bias)
     if in_dtype == torch.int8 and M > 16:
         acc = torch._int_mm(a, b).double()  # exact int32 accumulation, fast
     else:
@@ -174,7 +174,7 @@ def test_scaled_mm_azp_matrix(out_dtype, per_token_azp):
             azp, azp_adj = None, (za * colsum).to(torch.int32)
         assert w8a8_kernel_reason(a, b, sa, sb, out_dtype, bias, azp_adj, azp) == ""
         poison((M, N), out_dtype)
-        out = ops.scaled_mm_azp(a, b, sa, sb, out_dtype, azp_adj, azp, bias)
+        out = torch.ops.quantfuse.scaled_mm_azp(a, b, sa, sb, out_dtype, azp_adj, azp, bias)
         check_w8a8(out, w8a8_reference64(a, b, sa, sb, bias, azp_adj, azp), out_dtype)
         # and against the op's own reference implementation
         ref = ops.scaled_mm_azp_reference(a, b, sa, sb, out_dtype, azp_adj, azp, bias)
@@ -188,7 +188,7 @@ def test_azp_llm_shape(M):
     a, b, sa, sb, bias = make_inputs(M, N, K, torch.int8, torch.float16, True, True, True)
     azp = torch.randint(-100, 100, (M,), dtype=torch.int32, device="cuda")
     colsum = b.to(torch.int32).sum(0, dtype=torch.int32)
-    out = ops.scaled_mm_azp(a, b, sa, sb, torch.float16, colsum, azp, bias)
+    out = torch.ops.quantfuse.scaled_mm_azp(a, b, sa, sb, torch.float16, colsum, azp, bias)
     check_w8a8(out, w8a8_reference64(a, b, sa, sb, bias, colsum, azp), torch.float16)
 
 
@@ -208,9 +208,9 @@ def test_sliced_and_offset_inputs():
     sb = (torch.rand(2 * N, device="cuda") + 0.5)[::2]  # strided per-channel scale
     bias = torch.randn(N + 1, device="cuda", dtype=torch.bfloat16)[1:]
     assert w8a8_kernel_reason(a, b, sa, sb, torch.bfloat16, bias) == ""
-    out = ops.scaled_mm(a, b, sa, sb, torch.bfloat16, bias)
+    out = torch.ops.quantfuse.scaled_mm(a, b, sa, sb, torch.bfloat16, bias)
     check_w8a8(out, w8a8_reference64(a, b, sa, sb, bias), torch.bfloat16)
-    names = kernel_names(lambda: ops.scaled_mm(a, b, sa, sb, torch.bfloat16, bias))
+    names = kernel_names(lambda: torch.ops.quantfuse.scaled_mm(a, b, sa, sb, torch.bfloat16, bias))
     assert any("cutlass" in n and "quantfuse" in n for n in names), names
 
 
@@ -232,9 +232,10 @@ def test_layouts_are_copied_and_unsupported_shapes_fall_back(caplog):
         for m in (M, 40):  # the decode kernel, CUTLASS
             aa, sa_m = make_a(m), torch.rand(m, device="cuda") + 0.5
             assert w8a8_kernel_reason(aa, bb, sa_m, sb, torch.float16, bias) == "", name
-            out = ops.scaled_mm(aa, bb, sa_m, sb, torch.float16, bias)
+            out = torch.ops.quantfuse.scaled_mm(aa, bb, sa_m, sb, torch.float16, bias)
             check_w8a8(out, w8a8_reference64(aa, bb, sa_m, sb, bias), torch.float16, what=f"{name}, M={m}")
-            names = kernel_names(functools.partial(ops.scaled_mm, aa, bb, sa_m, sb, torch.float16, bias))
+            names = kernel_names(
+                functools.partial(torch.ops.quantfuse.scaled_mm, aa, bb, sa_m, sb, torch.float16, bias))
             kernel = "scaled_mm_decode" if m <= DECODE_MAX_M else "cutlass"
             assert any(kernel in n and "quantfuse" in n for n in names), (name, m, names)
     unsupported = {
@@ -247,14 +248,14 @@ def test_layouts_are_copied_and_unsupported_shapes_fall_back(caplog):
         assert "multiples of 16" in reason, (name, reason)
         caplog.clear()
         with caplog.at_level(logging.DEBUG, logger="quantfuse.ops"):
-            out = ops.scaled_mm(aa, bb, sa, sb_n, torch.float16, bias_n)
+            out = torch.ops.quantfuse.scaled_mm(aa, bb, sa, sb_n, torch.float16, bias_n)
         assert f"quantfuse.scaled_mm: reference runs: {reason}" in caplog.text, (name, caplog.text)
         check_w8a8(out, w8a8_reference64(aa, bb, sa, sb_n, bias_n), torch.float16, what=name)
-        names = kernel_names(functools.partial(ops.scaled_mm, aa, bb, sa, sb_n, torch.float16, bias_n))
+        names = kernel_names(functools.partial(torch.ops.quantfuse.scaled_mm, aa, bb, sa, sb_n, torch.float16, bias_n))
         assert not ran_quantfuse_kernel(names), (name, names)
     # malformed input still raises the op's error, not a kernel error
     with pytest.raises(ops.QuantfuseInputError, match="scale_a"):
-        ops.scaled_mm(a, b, sa[:3], sb, torch.float16, bias)
+        torch.ops.quantfuse.scaled_mm(a, b, sa[:3], sb, torch.float16, bias)
 
 
 # ----------------------------------------------------------------------------- graphs, profiler
@@ -263,14 +264,14 @@ def test_layouts_are_copied_and_unsupported_shapes_fall_back(caplog):
 def test_cuda_graph_capture_and_replay():
     M, N, K = 16, 512, 1024
     a, b, sa, sb, bias = make_inputs(M, N, K, torch.int8, torch.bfloat16, True, True, True)
-    ops.scaled_mm(a, b, sa, sb, torch.bfloat16, bias)  # warm up outside the graph
+    torch.ops.quantfuse.scaled_mm(a, b, sa, sb, torch.bfloat16, bias)  # warm up outside the graph
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         with torch.cuda.graph(g):
-            out = ops.scaled_mm(a, b, sa, sb, torch.bfloat16, bias)
+            out = torch.ops.quantfuse.scaled_mm(a, b, sa, sb, torch.bfloat16, bias)
     torch.cuda.current_stream().wait_stream(s)
     for _ in range(3):
         a.copy_(rand_q((M, K), torch.int8))
@@ -295,9 +296,9 @@ def test_fp8_prefill_routes_to_cublaslt_where_measured_faster():
         bias = torch.randn(N, device="cuda").to(out_dtype)
         assert w8a8_kernel_reason(*args, bias) == ""
         poison((M, N), out_dtype)
-        out = ops.scaled_mm(*args, bias)
+        out = torch.ops.quantfuse.scaled_mm(*args, bias)
         check_w8a8(out, w8a8_reference64(*args[:4], bias), out_dtype, fp8)
-        names = kernel_names(functools.partial(ops.scaled_mm, *args, bias))
+        names = kernel_names(functools.partial(torch.ops.quantfuse.scaled_mm, *args, bias))
         assert ran_quantfuse_kernel(names) == ours, (M, per_token, out_dtype, names)
 
 
@@ -305,7 +306,7 @@ def test_fp8_prefill_routes_to_cublaslt_where_measured_faster():
 def test_op_runs_cutlass_kernel_eager_and_compiled():
     M, N, K = 64, 1024, 1024
     a, b, sa, sb, bias = make_inputs(M, N, K, torch.int8, torch.bfloat16, True, True, True)
-    names = kernel_names(lambda: ops.scaled_mm(a, b, sa, sb, torch.bfloat16, bias))
+    names = kernel_names(lambda: torch.ops.quantfuse.scaled_mm(a, b, sa, sb, torch.bfloat16, bias))
     assert any("cutlass" in n for n in names), names
 
     def f(a, b, sa, sb, bias):

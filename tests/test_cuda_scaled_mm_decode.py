@@ -30,8 +30,6 @@ from conftest import (
     w8a8_reference64,
 )
 
-from compile_backend import ops
-
 pytestmark = pytest.mark.gpu
 
 M_ALL = (1, 2, 3, 7, 8, 9, 15, 16)
@@ -179,10 +177,10 @@ def test_sliced_and_offset_inputs(in_dtype):
         sb = (torch.rand(2 * N, device="cuda") + 0.5)[::2]  # strided: the public op realigns it
         bias = torch.randn(N + 1, device="cuda", dtype=torch.bfloat16)[1:]
         assert w8a8_kernel_reason(a, b, sa, sb, torch.bfloat16, bias) == ""
-        names = kernel_names(functools.partial(ops.scaled_mm, a, b, sa, sb, torch.bfloat16, bias))
+        names = kernel_names(functools.partial(torch.ops.quantfuse.scaled_mm, a, b, sa, sb, torch.bfloat16, bias))
         assert any("scaled_mm_decode" in n for n in names), names
         poison((M, N), torch.bfloat16)
-        out = ops.scaled_mm(a, b, sa, sb, torch.bfloat16, bias)
+        out = torch.ops.quantfuse.scaled_mm(a, b, sa, sb, torch.bfloat16, bias)
         check_w8a8(out, w8a8_reference64(a, b, sa, sb, bias), torch.bfloat16, in_dtype)
         out = decode(a, b, sa, sb.contiguous(), torch.bfloat16, bias.clone())
         check_w8a8(out, w8a8_reference64(a, b, sa, sb, bias), torch.bfloat16, in_dtype)
@@ -202,15 +200,15 @@ def test_routing_layout_copies_and_errors():
     }
     for name, (aa, bb) in cases.items():
         assert w8a8_kernel_reason(aa, bb, sa, sb, torch.float16, bias) == "", name
-        names = kernel_names(functools.partial(ops.scaled_mm, aa, bb, sa, sb, torch.float16, bias))
+        names = kernel_names(functools.partial(torch.ops.quantfuse.scaled_mm, aa, bb, sa, sb, torch.float16, bias))
         assert any("scaled_mm_decode" in n for n in names), (name, names)
-        out = ops.scaled_mm(aa, bb, sa, sb, torch.float16, bias)
+        out = torch.ops.quantfuse.scaled_mm(aa, bb, sa, sb, torch.float16, bias)
         check_w8a8(out, w8a8_reference64(aa, bb, sa, sb, bias), torch.float16, torch.int8, what=name)
     if hasattr(torch.ops.quantfuse, "_scaled_mm_cutlass"):  # else a decode-only build (QUANTFUSE_CSRC_ONLY)
         a17, sa17 = rand_q((DECODE_MAX_M + 1, K), torch.int8), torch.rand(DECODE_MAX_M + 1, device="cuda") + 0.5
-        names = kernel_names(functools.partial(ops.scaled_mm, a17, b, sa17, sb, torch.float16, bias))
+        names = kernel_names(functools.partial(torch.ops.quantfuse.scaled_mm, a17, b, sa17, sb, torch.float16, bias))
         assert not any("scaled_mm_decode" in n for n in names) and ran_quantfuse_kernel(names), names
-        out = ops.scaled_mm(a17, b, sa17, sb, torch.float16, bias)
+        out = torch.ops.quantfuse.scaled_mm(a17, b, sa17, sb, torch.float16, bias)
         check_w8a8(out, w8a8_reference64(a17, b, sa17, sb, bias), torch.float16, torch.int8, what="M = 17")
     with pytest.raises(RuntimeError, match="M = 17"):
         torch.ops.quantfuse._scaled_mm_decode_cuda(rand_q((17, K), torch.int8), b, sa[:1], sb, torch.float16)
@@ -228,14 +226,14 @@ def test_cuda_graph_capture_and_replay(in_dtype):
         pytest.skip(f"{in_dtype} needs a newer GPU")
     M, N, K = 8, 4096, 4096
     a, b, sa, sb, bias, _, _ = make(M, N, K, in_dtype, torch.bfloat16, True, True, True)
-    ops.scaled_mm(a, b, sa, sb, torch.bfloat16, bias)  # warm up outside the graph
+    torch.ops.quantfuse.scaled_mm(a, b, sa, sb, torch.bfloat16, bias)  # warm up outside the graph
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         with torch.cuda.graph(g):
-            out = ops.scaled_mm(a, b, sa, sb, torch.bfloat16, bias)
+            out = torch.ops.quantfuse.scaled_mm(a, b, sa, sb, torch.bfloat16, bias)
     torch.cuda.current_stream().wait_stream(s)
     for _ in range(3):
         a.copy_(rand_q((M, K), in_dtype))
@@ -250,16 +248,17 @@ def test_public_ops_route_small_m_to_decode():
     N, K = 1024, 1024
     for M in (1, DECODE_MAX_M):
         a, b, sa, sb, bias, azp_adj, azp = make(M, N, K, torch.int8, torch.bfloat16, True, True, True, "azptok")
-        names = kernel_names(functools.partial(ops.scaled_mm, a, b, sa, sb, torch.bfloat16, bias))
+        names = kernel_names(functools.partial(torch.ops.quantfuse.scaled_mm, a, b, sa, sb, torch.bfloat16, bias))
         assert any("scaled_mm_decode" in n for n in names), names
-        names = kernel_names(functools.partial(ops.scaled_mm_azp, a, b, sa, sb, torch.bfloat16, azp_adj, azp, bias))
+        names = kernel_names(
+            functools.partial(torch.ops.quantfuse.scaled_mm_azp, a, b, sa, sb, torch.bfloat16, azp_adj, azp, bias))
         assert any("scaled_mm_decode" in n for n in names), names
-        out = ops.scaled_mm_azp(a, b, sa, sb, torch.bfloat16, azp_adj, azp, bias)
+        out = torch.ops.quantfuse.scaled_mm_azp(a, b, sa, sb, torch.bfloat16, azp_adj, azp, bias)
         check_w8a8(out, w8a8_reference64(a, b, sa, sb, bias, azp_adj, azp), torch.bfloat16, torch.int8)
     if not hasattr(torch.ops.quantfuse, "_scaled_mm_cutlass"):
         return  # a decode-only build (QUANTFUSE_CSRC_ONLY): nothing serves M = 17
     a, b, sa, sb, bias, _, _ = make(DECODE_MAX_M + 1, N, K, torch.int8, torch.bfloat16, True, True, True)
-    names = kernel_names(lambda: ops.scaled_mm(a, b, sa, sb, torch.bfloat16, bias))
+    names = kernel_names(lambda: torch.ops.quantfuse.scaled_mm(a, b, sa, sb, torch.bfloat16, bias))
     assert not any("scaled_mm_decode" in n for n in names), names
 
 

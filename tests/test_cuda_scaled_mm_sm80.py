@@ -3,7 +3,7 @@
 Skipped without CUDA.  The SM80 kernels (mma.sync, cp.async, 2.x epilogue visitor
 trees) also run on Hopper, so every test forces them with
 ``torch.ops.quantfuse._scaled_mm_cutlass(..., arch=80)``.  Checked against a float64
-reference (ops.py's exact product, epilogue in float64) on fresh random data: every
+reference (ops/scaled_mm.py's exact product, epilogue in float64) on fresh random data: every
 epilogue x scale granularity x bias x output dtype, the M sweep on LLM-sized (N, K), every
 tile configuration on edge tiles, sliced inputs, CUDA-graph capture and replay, bitwise
 reproducibility at long K, fp8 on arch 80 (a clear error from the op), and the public op's
@@ -81,7 +81,7 @@ class Case:
             self.a, self.b, self.sa, self.sb, self.out_dtype, self.bias, self.azp_adj, self.azp, arch, config)
 
     def reference(self):
-        acc = ops._exact_float64_product(self.a, self.b)
+        acc = ops.scaled_mm.exact_float64_product(self.a, self.b)
         return epilogue64(acc, self.sa, self.sb, self.bias, self.azp_adj, self.azp)
 
     def ops_reference(self):
@@ -198,9 +198,9 @@ def test_sliced_and_offset_inputs():
         assert w8a8_kernel_reason(a, b, sa, sb, torch.bfloat16, bias, case.azp_adj, azp) == ""
         case.check(case.run(), f"sliced zp={zp}")
         if case.azp_adj is None:
-            public = ops.scaled_mm(a, b, sa, sb, torch.bfloat16, bias)
+            public = torch.ops.quantfuse.scaled_mm(a, b, sa, sb, torch.bfloat16, bias)
         else:
-            public = ops.scaled_mm_azp(a, b, sa, sb, torch.bfloat16, case.azp_adj, azp, bias)
+            public = torch.ops.quantfuse.scaled_mm_azp(a, b, sa, sb, torch.bfloat16, case.azp_adj, azp, bias)
         case.check(public, f"sliced zp={zp}, public op")
 
 
@@ -268,7 +268,7 @@ def test_kernel_choice_on_this_gpu():
         names = kernel_names(case.run)
         assert _sm80_kernel(names), names
         case.check(case.run(), f"arch=80, M={M}")
-        public = functools.partial(ops.scaled_mm, case.a, case.b, case.sa, case.sb, bf16, case.bias)
+        public = functools.partial(torch.ops.quantfuse.scaled_mm, case.a, case.b, case.sa, case.sb, bf16, case.bias)
         case.check(public(), f"public op, M={M}")
         names = kernel_names(public)
         if M <= DECODE_MAX_M:
@@ -281,11 +281,11 @@ def test_kernel_choice_on_this_gpu():
         af, bf = rand_q((M, K), fp8), rand_q((N, K), fp8).t()
         sa, sb = torch.rand(M, device="cuda") + 0.5, torch.rand(N, device="cuda") + 0.5
         reason = w8a8_kernel_reason(af, bf, sa, sb, bf16)
-        out = ops.scaled_mm(af, bf, sa, sb, bf16)
+        out = torch.ops.quantfuse.scaled_mm(af, bf, sa, sb, bf16)
         if HOPPER or (CAP >= (8, 9) and M <= DECODE_MAX_M):
             assert reason == "", (M, reason)
             check_w8a8(out, w8a8_reference64(af, bf, sa, sb), bf16, fp8, what=f"fp8 M={M}")
-            assert ran_quantfuse_kernel(kernel_names(lambda af=af, bf=bf, sa=sa, sb=sb: ops.scaled_mm(
+            assert ran_quantfuse_kernel(kernel_names(lambda af=af, bf=bf, sa=sa, sb=sb: torch.ops.quantfuse.scaled_mm(
                 af, bf, sa, sb, bf16)))
         else:
             assert reason != "" and "fp8" in reason, (M, reason)

@@ -63,7 +63,7 @@ def check(out, x, w, s, b, what):
 def run_op(M, N, K, dtype, seed, **kw):
     x, w, s, b = make(M, N, K, dtype, seed, **kw)
     poison(M * N, dtype)
-    out = compile_backend.ops.w8a16_gemm(x, w, s, b)
+    out = torch.ops.quantfuse.w8a16_gemm(x, w, s, b)
     torch.cuda.synchronize()
     check(out, x, w, s, b, f"M={M} N={N} K={K} {dtype} {kw}")
 
@@ -112,16 +112,16 @@ def test_prefill_path_any_m(dtype):
 
 def test_kernel_choice():
     x, w, s, b = make(DECODE_MAX_M, 256, 512, torch.float16, seed=1)
-    names = " ".join(kernel_names(lambda: compile_backend.ops.w8a16_gemm(x, w, s, b)))
+    names = " ".join(kernel_names(lambda: torch.ops.quantfuse.w8a16_gemm(x, w, s, b)))
     assert "w8a16_decode_mma_kernel" in names, names
     x_big = make(DECODE_MAX_M + 1, 256, 512, torch.float16, seed=2)[0]
-    names = " ".join(kernel_names(lambda: compile_backend.ops.w8a16_gemm(x_big, w, s, b)))
+    names = " ".join(kernel_names(lambda: torch.ops.quantfuse.w8a16_gemm(x_big, w, s, b)))
     assert "w8a16_cast_kernel" in names and "w8a16_epilogue_kernel" in names and "w8a16_decode" not in names, names
     xf = x[:DECODE_F32_MAX_M].float()
-    names = " ".join(kernel_names(lambda: compile_backend.ops.w8a16_gemm(xf, w, s, b.float())))
+    names = " ".join(kernel_names(lambda: torch.ops.quantfuse.w8a16_gemm(xf, w, s, b.float())))
     assert "w8a16_decode_f32_kernel" in names, names
     xf = x_big[:DECODE_F32_MAX_M + 1].float()
-    names = " ".join(kernel_names(lambda: compile_backend.ops.w8a16_gemm(xf, w, s, b.float())))
+    names = " ".join(kernel_names(lambda: torch.ops.quantfuse.w8a16_gemm(xf, w, s, b.float())))
     assert "w8a16_epilogue_kernel" in names and "w8a16_decode" not in names, names
 
 
@@ -136,9 +136,9 @@ def test_layouts_the_kernels_do_not_read(M):
     w_t = w.t().contiguous().t()  # column-major [N, K]
     s_strided = torch.stack([s, s], 1)[:, 0]
     for xs, ws, ss in ((x_odd, w, s), (x, w_t, s), (x, w, s_strided)):
-        out = compile_backend.ops.w8a16_gemm(xs, ws, ss, b)
+        out = torch.ops.quantfuse.w8a16_gemm(xs, ws, ss, b)
         check(out, x, w, s, b, f"layout M={M} x{tuple(xs.stride())} w{tuple(ws.stride())}")
-        names = kernel_names(lambda xs=xs, ws=ws, ss=ss: compile_backend.ops.w8a16_gemm(xs, ws, ss, b))
+        names = kernel_names(lambda xs=xs, ws=ws, ss=ss: torch.ops.quantfuse.w8a16_gemm(xs, ws, ss, b))
         assert any("quantfuse" in n for n in names), names
 
 
@@ -148,23 +148,23 @@ def test_malformed_and_untaken_inputs():
     assert reason(x, w, s, b) == ""
     assert "device" in reason(x, w, s.cpu(), b)
     with pytest.raises(QuantfuseInputError, match="w_scale"):
-        compile_backend.ops.w8a16_gemm(x, w, s.cpu(), b)
+        torch.ops.quantfuse.w8a16_gemm(x, w, s.cpu(), b)
     with pytest.raises(QuantfuseInputError, match="w_q"):
-        compile_backend.ops.w8a16_gemm(x, w[:, :32], s, b)
+        torch.ops.quantfuse.w8a16_gemm(x, w[:, :32], s, b)
     with pytest.raises(QuantfuseInputError, match="bias"):
-        compile_backend.ops.w8a16_gemm(x, w, s, b.float())
-    assert compile_backend.ops.w8a16_gemm(x[:0], w, s, b).shape == (0, 32)
+        torch.ops.quantfuse.w8a16_gemm(x, w, s, b.float())
+    assert torch.ops.quantfuse.w8a16_gemm(x[:0], w, s, b).shape == (0, 32)
 
 
 @pytest.mark.parametrize("M", (1, 64))
 def test_cuda_graph_capture(M):
     x, w, s, b = make(M, 128, 1024, torch.float16, seed=M)
     static_x = x.clone()
-    compile_backend.ops.w8a16_gemm(static_x, w, s, b)  # warm-up (loads, cuBLAS handles)
+    torch.ops.quantfuse.w8a16_gemm(static_x, w, s, b)  # warm-up (loads, cuBLAS handles)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = compile_backend.ops.w8a16_gemm(static_x, w, s, b)
+        out = torch.ops.quantfuse.w8a16_gemm(static_x, w, s, b)
     for seed in (5, 6):
         new_x = make(M, 128, 1024, torch.float16, seed=seed)[0]
         static_x.copy_(new_x)
@@ -177,7 +177,7 @@ def test_autograd_through_the_op():
     x, w, s, b = make(8, 64, 128, torch.float32, seed=9)
     x.requires_grad_()
     s = s.clone().requires_grad_()
-    out = compile_backend.ops.w8a16_gemm(x, w, s, b)
+    out = torch.ops.quantfuse.w8a16_gemm(x, w, s, b)
     g = torch.randn_like(out)
     dx, ds = torch.autograd.grad(out, (x, s), g)
     x64, s64 = x.detach().double().requires_grad_(), s.detach().double().requires_grad_()

@@ -1,4 +1,4 @@
-"""compile_backend/freed_weights.py on the CPU: which tensors get a finalizer, that each gets one,
+"""compile_backend/derived/freed_weights.py on the CPU: which tensors get a finalizer, that each gets one,
 and that it asks the cache to drop the values made from its tensor once that tensor is freed,
 for our quantized modules' weights and for the integer tensors a compiled graph takes.  (The
 GPU side, values actually freed: tests/test_cuda_freed_weights.py.)"""
@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from compile_backend import freed_weights
+from compile_backend.derived import freed_weights
 from compile_backend.quantize import quantize_model
 
 

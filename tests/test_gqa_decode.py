@@ -128,8 +128,8 @@ def test_dynamic_shapes(dynamic):
 
 # quantfuse::gqa_decode, the op the pass uses on CUDA graphs (compile_backend/gqa_decode.py)
 
-from compile_backend.gqa_decode import gqa_decode  # noqa: E402
 from compile_backend.ops import QuantfuseInputError  # noqa: E402
+from compile_backend.ops.gqa_decode import gqa_decode  # noqa: E402
 from compile_backend.passes import gqa_decode as gqa_pass  # noqa: E402
 
 MASKS = [(1, False), (1, True), (HKV * N, False), (HKV * N, True), (None, False)]
@@ -166,7 +166,7 @@ def test_op_rejects_bad_arguments():
 
 
 def test_kernel_refusal_names_what_the_kernels_do_not_take():
-    from compile_backend.gqa_decode import kernel_refusal
+    from compile_backend.ops.gqa_decode import kernel_refusal
 
     def args(dtype=torch.float16, d=64, n=4, mask_dtype=None, transposed=False):
         q = torch.zeros(1, 2 * n, 1, d, dtype=dtype)

@@ -1,6 +1,6 @@
 """Grad mode: fusion does not depend on ``torch.no_grad()`` (docs/DESIGN.md "Grad mode").
 
-* The ops' autograd formulas (``compile_backend/autograd.py``) against eager autograd
+* The ops' autograd formulas (the family modules of ``compile_backend/ops/``) against eager autograd
   of the unfused source in float64, and ``gradcheck``.
 * The passes on a joint forward + backward graph (what Inductor compiles when an
   input requires grad): the forward is fused, the backward stays eager's own, and
@@ -158,9 +158,10 @@ def test_awq_dequantize_formula():
 def test_every_formula_has_the_cuda_autograd_step():
     """csrc/common/autograd_cuda.cpp lists the ops it serves; it must list every op that has a
     formula, or that op's CUDA calls would still pay for the Python autograd kernel."""
-    from compile_backend.autograd import FORMULAS
+    from compile_backend.ops.library import WITH_AUTOGRAD
 
-    missing = [name for name in FORMULAS
+    assert {"scaled_mm", "scaled_mm_azp", "awq_gemm", "awq_dequantize", "w8a16_gemm"} <= set(WITH_AUTOGRAD)
+    missing = [name for name in WITH_AUTOGRAD
                if not torch._C._dispatch_has_kernel_for_dispatch_key(f"quantfuse::{name}", "AutogradCUDA")]
     assert not missing, missing
 

@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from compile_backend.held_parameter import HeldParameter
+from compile_backend.derived.held_parameter import HeldParameter
 
 CSRC = os.path.join(os.path.dirname(__file__), os.pardir, "csrc")
 
@@ -116,8 +116,8 @@ def test_a_source_read_at_two_versions_is_stale(ext):
 
 def test_write_through_data_is_reported(ext):
     """A loader's ``layer.weight.data.copy_(new)`` bumps the weight's own counter, on the quantized
-    modules' parameters (held_parameter.py) and on any plain tensor that does not require grad
-    (tensor_data.py): both are reported, each on its own."""
+    modules' parameters (derived/held_parameter.py) and on any plain tensor that does not require grad
+    (derived/tensor_data.py): both are reported, each on its own."""
     held = HeldParameter(torch.zeros(4, dtype=torch.int8), requires_grad=False)
     plain = torch.nn.Parameter(torch.zeros(4, dtype=torch.int8), requires_grad=False)
     reads = ext.Reads()

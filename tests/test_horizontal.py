@@ -206,9 +206,9 @@ def test_weight_computed_in_the_graph_is_not_merged():
     sa, s1, s2 = torch.rand(4), torch.rand(32), torch.rand(48)
 
     def fn(a, sa, w1, s1, w2, s2):
-        y1 = ops.scaled_mm(a, w1.t(), sa, s1, torch.float32)
-        y2 = ops.scaled_mm(a, torch.flip(w2, [0]).t(), sa, s2, torch.float32)
-        y3 = ops.scaled_mm(a, w2.t(), sa, s2, torch.float32)
+        y1 = torch.ops.quantfuse.scaled_mm(a, w1.t(), sa, s1, torch.float32)
+        y2 = torch.ops.quantfuse.scaled_mm(a, torch.flip(w2, [0]).t(), sa, s2, torch.float32)
+        y3 = torch.ops.quantfuse.scaled_mm(a, w2.t(), sa, s2, torch.float32)
         return y1, y2, y3
 
     inputs = (a, sa, w1, s1, w2, s2)
@@ -238,19 +238,19 @@ def test_concat_weights_op():
     """The op's contract: torch.cat, or 1-D with per-part extents (a 1-element part broadcast);
     the CPU implementation serves one tensor until a part changes in place."""
     w1, w2 = torch.randn(3, 4), torch.randn(2, 4)
-    first = ops.concat_weights([w1, w2], 0)
-    assert torch.equal(first, torch.cat([w1, w2])) and ops.concat_weights([w1, w2], 0) is first
+    first = torch.ops.quantfuse.concat_weights([w1, w2], 0)
+    assert torch.equal(first, torch.cat([w1, w2])) and torch.ops.quantfuse.concat_weights([w1, w2], 0) is first
     w2.mul_(2)
-    again = ops.concat_weights([w1, w2], 0)
+    again = torch.ops.quantfuse.concat_weights([w1, w2], 0)
     assert again is not first and torch.equal(again, torch.cat([w1, w2]))
     s, v = torch.tensor(2.0), torch.arange(3.0)
-    assert ops.concat_weights([s, v], 0, [2, 3]).tolist() == [2.0, 2.0, 0.0, 1.0, 2.0]
+    assert torch.ops.quantfuse.concat_weights([s, v], 0, [2, 3]).tolist() == [2.0, 2.0, 0.0, 1.0, 2.0]
     with pytest.raises(ops.QuantfuseInputError, match=r"'parts\[1\]'.*except in dim 0"):
-        ops.concat_weights([w1, torch.randn(2, 5)], 0)
+        torch.ops.quantfuse.concat_weights([w1, torch.randn(2, 5)], 0)
     with pytest.raises(ops.QuantfuseInputError, match=r"'parts\[1\]'.*1 element or sizes\[1\] = 4"):
-        ops.concat_weights([s, v], 0, [2, 4])
+        torch.ops.quantfuse.concat_weights([s, v], 0, [2, 4])
     with pytest.raises(ops.QuantfuseInputError, match=r"'parts\[1\]'.*dtype"):
-        ops.concat_weights([w1, w2.double()], 0)
+        torch.ops.quantfuse.concat_weights([w1, w2.double()], 0)
 
 
 # --------------------------------------------------------------------------- GPU

@@ -10,7 +10,8 @@ import sys
 import pytest
 import torch
 
-from compile_backend import kernels, ops
+from compile_backend import ops
+from compile_backend.kernels import loader as kernels
 
 
 @pytest.fixture
@@ -23,7 +24,7 @@ def test_cpu_machine_does_nothing_and_prints_nothing():
     # A fresh interpreter: importing, running every op on CPU, and asking the loader print nothing.
     code = (
         "import torch, compile_backend\n"
-        "from compile_backend import kernels\n"
+        "from compile_backend.kernels import loader as kernels\n"
         "a = torch.randint(-5, 5, (3, 16), dtype=torch.int8)\n"
         "torch.ops.quantfuse.scaled_mm(a, a.t(), torch.ones(1), torch.ones(1), torch.float32)\n"
         "assert kernels.ensure_loaded() is (torch.cuda.is_available() and kernels.status()['status'] == 'loaded')\n"
@@ -78,7 +79,7 @@ def test_build_failure_warns_once_then_references_run(fresh_loader, monkeypatch,
         # loaded) asks the loader, which says no: the reference runs, with the reason logged.
         args = _w8a8()
         with caplog.at_level(logging.DEBUG, logger="quantfuse.ops"):
-            out = ops._cuda_bootstrap("scaled_mm")(*args)
+            out = ops.library._cuda_bootstrap("scaled_mm")(*args)
     assert attempts == [1]
     assert fresh_loader.status()["status"] == "failed"
     assert "quantfuse.scaled_mm: reference runs: the CUDA kernels are not available" in caplog.text

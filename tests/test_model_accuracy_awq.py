@@ -18,7 +18,7 @@ import pytest
 import torch
 from test_pass_awq_gemm import AWQ_GEMM, trace
 
-from compile_backend.llama import tiny_llama
+from compile_backend.models.llama import tiny_llama
 from compile_backend.passes import collecting_report
 from compile_backend.quantize import AWQLinear, quantize_model
 

@@ -13,7 +13,7 @@ import copy
 import pytest
 import torch
 
-from compile_backend.llama import tiny_llama
+from compile_backend.models.llama import tiny_llama
 from compile_backend.passes import collecting_report
 from compile_backend.quantize import quantize_model
 

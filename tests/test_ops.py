@@ -57,7 +57,7 @@ def _close(out, ref, out_dtype):
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
 def test_scaled_mm_matches_float64(out_dtype, per_token, per_channel, bias, dtype):
     a, b, sa, sb, od, bias_t = _w8a8_inputs(33, 96, 40, dtype, per_token, per_channel, bias, out_dtype)
-    out = ops.scaled_mm(a, b, sa, sb, od, bias_t)
+    out = torch.ops.quantfuse.scaled_mm(a, b, sa, sb, od, bias_t)
     assert out.shape == (33, 40) and out.dtype == out_dtype
     _close(out, _w8a8_float64(a, b, sa, sb, bias_t), out_dtype)
 
@@ -70,7 +70,7 @@ def test_scaled_mm_int8_accumulation_is_exact_for_long_k():
     b = torch.full((K, 3), 127, dtype=torch.int8)
     b[::3, 1] = -128
     ones = torch.ones(1)
-    out = ops.scaled_mm(a, b, ones, ones, torch.float32)
+    out = torch.ops.quantfuse.scaled_mm(a, b, ones, ones, torch.float32)
     ref = (a.to(torch.int64) @ b.to(torch.int64)).to(torch.float32)
     assert torch.equal(out, ref)
 
@@ -86,7 +86,7 @@ def test_scaled_mm_azp_matches_float64(per_token_zp, bias):
         azp_adj = colsum
     else:
         azp, azp_adj = None, 7 * colsum
-    out = ops.scaled_mm_azp(a, b, sa, sb, od, azp_adj, azp, bias_t)
+    out = torch.ops.quantfuse.scaled_mm_azp(a, b, sa, sb, od, azp_adj, azp, bias_t)
     _close(out, _w8a8_float64(a, b, sa, sb, bias_t, azp, azp_adj), od)
 
 
@@ -95,7 +95,8 @@ def test_scaled_mm_azp_equals_dequantized_asymmetric_product():
     gen = torch.Generator().manual_seed(2)
     a, b, sa, sb, _, _ = _w8a8_inputs(9, 32, 16, bias=False, out_dtype=torch.float32, seed=2)
     azp = torch.randint(-5, 5, (9,), dtype=torch.int32, generator=gen)
-    out = ops.scaled_mm_azp(a, b, sa, sb, torch.float32, b.to(torch.int32).sum(0, dtype=torch.int32), azp)
+    colsum = b.to(torch.int32).sum(0, dtype=torch.int32)
+    out = torch.ops.quantfuse.scaled_mm_azp(a, b, sa, sb, torch.float32, colsum, azp)
     x = (a.double() - azp.double().unsqueeze(1)) * sa.double()
     ref = x @ (b.double() * sb.double().reshape(1, -1))
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
@@ -118,12 +119,12 @@ def test_awq_ops_match_float64(G, dtype, bias):
     K = 256
     x, qw, s, qz, G, bias_t, q, z = _awq_inputs(5, K, 64, G, dtype, bias)
     w64 = (q.double() - z.double().repeat_interleave(G, 0)) * s.double().repeat_interleave(G, 0)
-    deq = ops.awq_dequantize(qw, s, qz, G)
+    deq = torch.ops.quantfuse.awq_dequantize(qw, s, qz, G)
     assert deq.dtype == dtype and deq.shape == (K, 64)
     # One rounding of (q - z) * s to the activation dtype.
     eps = torch.finfo(dtype).eps
     assert ((deq.double() - w64).abs() <= w64.abs() * eps).all()
-    out = ops.awq_gemm(x, qw, s, qz, G, bias_t)
+    out = torch.ops.quantfuse.awq_gemm(x, qw, s, qz, G, bias_t)
     ref = x.double() @ w64 + (0 if bias_t is None else bias_t.double())
     _close(out, ref, dtype)
 
@@ -139,11 +140,11 @@ def test_awq_bit_order_is_designs():
 
 def test_empty_m_returns_empty():
     a, b, sa, sb, od, bias_t = _w8a8_inputs(0, 32, 16, per_token=False)
-    assert ops.scaled_mm(a, b, sa, sb, od, bias_t).shape == (0, 16)
+    assert torch.ops.quantfuse.scaled_mm(a, b, sa, sb, od, bias_t).shape == (0, 16)
     colsum = b.to(torch.int32).sum(0, dtype=torch.int32)
-    assert ops.scaled_mm_azp(a, b, sa, sb, od, colsum, None, bias_t).shape == (0, 16)
+    assert torch.ops.quantfuse.scaled_mm_azp(a, b, sa, sb, od, colsum, None, bias_t).shape == (0, 16)
     x, qw, s, qz, G, bias_t, *_ = _awq_inputs(0, 64, 16, 32)
-    assert ops.awq_gemm(x, qw, s, qz, G, bias_t).shape == (0, 16)
+    assert torch.ops.quantfuse.awq_gemm(x, qw, s, qz, G, bias_t).shape == (0, 16)
 
 
 # --------------------------------------------------------------------------- opcheck
@@ -175,8 +176,11 @@ def test_opcheck(case):
     torch.library.opcheck(getattr(torch.ops.quantfuse, name).default, args, **kwargs)
 
 
+GEMM_OPS = ("scaled_mm", "scaled_mm_azp", "awq_gemm", "awq_dequantize", "w8a16_gemm", "concat_weights")
+
+
 def test_ops_are_tagged_for_fixed_strides():
-    for name in ops.SCHEMAS:
+    for name in GEMM_OPS:
         assert torch.Tag.needs_fixed_stride_order in getattr(torch.ops.quantfuse, name).default.tags
 
 
@@ -200,12 +204,12 @@ def _bad_w8a8_cases():
 def test_scaled_mm_rejects_malformed(case):
     arg, args = case
     with pytest.raises(ops.QuantfuseInputError, match=f"argument '{arg}' has .*expected"):
-        ops.scaled_mm(*args)
+        torch.ops.quantfuse.scaled_mm(*args)
     # The fake implementation validates too, so errors surface at compile time.
     with torch._subclasses.FakeTensorMode() as mode:
         fake_args = [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in args]
         with pytest.raises(ops.QuantfuseInputError, match=f"argument '{arg}'"):
-            ops.scaled_mm(*fake_args)
+            torch.ops.quantfuse.scaled_mm(*fake_args)
 
 
 def test_scaled_mm_azp_rejects_malformed():
@@ -213,13 +217,13 @@ def test_scaled_mm_azp_rejects_malformed():
     colsum = b.to(torch.int32).sum(0, dtype=torch.int32)
     fa, fb, *_ = _w8a8_inputs(8, 32, 16, dtype=torch.float8_e4m3fn)
     with pytest.raises(ops.QuantfuseInputError, match="argument 'a'.*int8"):
-        ops.scaled_mm_azp(fa, fb, sa, sb, od, colsum)
+        torch.ops.quantfuse.scaled_mm_azp(fa, fb, sa, sb, od, colsum)
     with pytest.raises(ops.QuantfuseInputError, match="argument 'azp_adj'.*\\(16,\\)"):
-        ops.scaled_mm_azp(a, b, sa, sb, od, colsum[:8])
+        torch.ops.quantfuse.scaled_mm_azp(a, b, sa, sb, od, colsum[:8])
     with pytest.raises(ops.QuantfuseInputError, match="argument 'azp_adj'.*int32"):
-        ops.scaled_mm_azp(a, b, sa, sb, od, colsum.float())
+        torch.ops.quantfuse.scaled_mm_azp(a, b, sa, sb, od, colsum.float())
     with pytest.raises(ops.QuantfuseInputError, match="argument 'azp'.*M = 8"):
-        ops.scaled_mm_azp(a, b, sa, sb, od, colsum, torch.zeros(3, dtype=torch.int32))
+        torch.ops.quantfuse.scaled_mm_azp(a, b, sa, sb, od, colsum, torch.zeros(3, dtype=torch.int32))
 
 
 def _bad_awq_cases():
@@ -240,15 +244,15 @@ def _bad_awq_cases():
 def test_awq_gemm_rejects_malformed(case):
     arg, args = case
     with pytest.raises(ops.QuantfuseInputError, match=f"argument '{arg}' has .*expected"):
-        ops.awq_gemm(*args)
+        torch.ops.quantfuse.awq_gemm(*args)
 
 
 def test_awq_dequantize_rejects_malformed():
     _, qw, s, qz, G, *_ = _awq_inputs(1, 128, 64, 32)
     with pytest.raises(ops.QuantfuseInputError, match="argument 'qzeros'"):
-        ops.awq_dequantize(qw, s, qz[:1], G)
+        torch.ops.quantfuse.awq_dequantize(qw, s, qz[:1], G)
     with pytest.raises(ops.QuantfuseInputError, match="argument 'group_size'.*divisor of K = 128"):
-        ops.awq_dequantize(qw, s, qz, 100)
+        torch.ops.quantfuse.awq_dequantize(qw, s, qz, 100)
 
 
 # --------------------------------------------------------------------------- layouts
@@ -292,10 +296,10 @@ def test_int8_ops_are_exact_for_any_strides(case):
     M, N = a.shape[0], b.shape[1]
     exact = a.double() @ b.double()
     ones = torch.ones(1)
-    assert torch.equal(ops.scaled_mm(a, b, ones, ones, torch.float32).double(), exact)
+    assert torch.equal(torch.ops.quantfuse.scaled_mm(a, b, ones, ones, torch.float32).double(), exact)
     colsum = b.to(torch.int32).sum(0, dtype=torch.int32)
     azp = torch.arange(M, dtype=torch.int32) - 2
-    out = ops.scaled_mm_azp(a, b, ones, ones, torch.float32, colsum, azp)
+    out = torch.ops.quantfuse.scaled_mm_azp(a, b, ones, ones, torch.float32, colsum, azp)
     assert torch.equal(out.double(), exact - azp.double().reshape(-1, 1) * colsum.double())
     assert torch.equal(ops.exact_product(a, b).double(), exact)
     assert out.shape == (M, N)
@@ -333,10 +337,10 @@ def _device_cases():
 
 @pytest.mark.parametrize("case", list(_device_cases()), ids=lambda c: f"{c[0]}-{c[1]}")
 def test_mixed_devices_are_rejected_naming_the_argument(case):
-    # One device for every tensor argument, 1-element scales included (ops.py, _check_devices).
+    # One device for every tensor argument, 1-element scales included (ops/library.py, check_devices).
     name, arg, args = case
     with pytest.raises(ops.QuantfuseInputError, match=f"argument '{arg}' has .*device (cpu|meta); expected device"):
-        getattr(ops, name)(*args)
+        getattr(torch.ops.quantfuse, name)(*args)
 
 
 # --------------------------------------------------------------------------- documented limits
@@ -351,11 +355,11 @@ def test_int8_sums_beyond_int32_are_exact():
     a[1, 0] = 127  # second row: 2**31 - 128 * 255, exact in float32 only after exact accumulation
     b = torch.full((K, 1), -128, dtype=torch.int8)
     ones = torch.ones(1)
-    out = ops.scaled_mm(a, b, ones, ones, torch.float32)
+    out = torch.ops.quantfuse.scaled_mm(a, b, ones, ones, torch.float32)
     expected = (a.to(torch.int64) @ b.to(torch.int64)).to(torch.float32)
     assert torch.equal(out, expected) and out[0, 0].item() == 2.0**31
     colsum = b.to(torch.int32).sum(0, dtype=torch.int32)
-    out = ops.scaled_mm_azp(a, b, ones, ones, torch.float32, colsum, torch.zeros(2, dtype=torch.int32))
+    out = torch.ops.quantfuse.scaled_mm_azp(a, b, ones, ones, torch.float32, colsum, torch.zeros(2, dtype=torch.int32))
     assert torch.equal(out, expected)
 
 
@@ -364,15 +368,15 @@ def test_infinite_activation_scale_is_non_finite_like_eager():
     # first.  Both rows with an infinite scale are non-finite, not necessarily the same one.
     a, b, sa, sb, od, _ = _w8a8_inputs(4, 32, 8, out_dtype=torch.float32)
     sa[1, 0] = float("inf")
-    out = ops.scaled_mm(a, b, sa, sb, od)
+    out = torch.ops.quantfuse.scaled_mm(a, b, sa, sb, od)
     eager = (a.float() * sa) @ (b.float() * sb.reshape(1, -1))
     assert not torch.isfinite(out[1]).any() and not torch.isfinite(eager[1]).any()
     assert torch.isfinite(out[[0, 2, 3]]).all()
     sa[1, 0] = float("nan")
-    assert torch.isnan(ops.scaled_mm(a, b, sa, sb, od)[1]).all()
+    assert torch.isnan(torch.ops.quantfuse.scaled_mm(a, b, sa, sb, od)[1]).all()
 
 
-@pytest.mark.parametrize("M", [1, ops.INT_MM_MAX_ROWS, ops.INT_MM_MAX_ROWS + 1, 64])
+@pytest.mark.parametrize("M", [1, ops.scaled_mm.INT_MM_MAX_ROWS, ops.scaled_mm.INT_MM_MAX_ROWS + 1, 64])
 def test_cpu_int8_product_is_the_same_on_either_path(monkeypatch, M):
     """The CPU reference multiplies int8 operands with torch._int_mm for a few rows and in float64
     above ``INT_MM_MAX_ROWS``; both are exact, so the two paths give identical sums."""
@@ -382,7 +386,7 @@ def test_cpu_int8_product_is_the_same_on_either_path(monkeypatch, M):
     b[:, 0] = -128
     sums = {}
     for rows in (0, 10**6):  # float64 always; torch._int_mm always
-        monkeypatch.setattr(ops, "INT_MM_MAX_ROWS", rows)
+        monkeypatch.setattr(ops.scaled_mm, "INT_MM_MAX_ROWS", rows)
         sums[rows] = ops.exact_product(a, b)
     assert torch.equal(sums[0], sums[10**6])
     assert torch.equal(sums[0].double(), a.double() @ b.double())

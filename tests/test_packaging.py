@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from compile_backend import build_config, kernels
+from compile_backend.kernels import build_config
+from compile_backend.kernels import loader as kernels
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -75,7 +76,7 @@ def test_distribution_name_extras_and_entry_point():
 def test_build_config_imports_without_torch():
     code = (
         "import importlib.util, sys\n"
-        "spec = importlib.util.spec_from_file_location('bc', 'compile_backend/build_config.py')\n"
+        "spec = importlib.util.spec_from_file_location('bc', 'compile_backend/kernels/build_config.py')\n"
         "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
         "assert 'torch' not in sys.modules\n"
         "print(m.nvcc_flags('2.14.1')[1], m.cxx_standard('2.13.0'))\n"
@@ -186,7 +187,7 @@ def test_prebuilt_library_that_fails_to_load_falls_back_to_jit_then_warns_once(p
     from compile_backend import ops
 
     library, loaded, built = prebuilt
-    registrations = ops._bootstrap_lib
+    registrations = ops.library._bootstrap_lib
 
     def failing_load(path):
         raise OSError("undefined symbol: _ZN3c10")
@@ -202,7 +203,7 @@ def test_prebuilt_library_that_fails_to_load_falls_back_to_jit_then_warns_once(p
     assert not kernels.ensure_loaded()  # no second attempt, no second warning
     # The simulated failure left this process's own CUDA registrations alone (on a GPU machine, a
     # bootstrap put back over the loaded kernels would recurse on every later CUDA call).
-    assert ops._bootstrap_lib is registrations
+    assert ops.library._bootstrap_lib is registrations
 
 
 def test_loggers_are_under_quantfuse():
@@ -217,7 +218,8 @@ def test_loggers_are_under_quantfuse():
 
 
 def test_build_config_loaded_by_path_is_the_package_module():
-    spec = importlib.util.spec_from_file_location("bc_by_path", ROOT / "compile_backend" / "build_config.py")
+    path = ROOT / "compile_backend" / "kernels" / "build_config.py"
+    spec = importlib.util.spec_from_file_location("bc_by_path", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert module.nvcc_flags("2.13.0") == build_config.nvcc_flags("2.13.0")

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from expecttest import TestCase
 from pass_helpers import MATMULS, apply_passes, compile_and_run, count_calls, graph_str
 
-from compile_backend import weight_cache
+from compile_backend.ops import scaled_mm_azp as azp_op
 from compile_backend.quantize import W8A8Linear
 
 AZP = torch.ops.quantfuse.scaled_mm_azp.default
@@ -179,22 +179,22 @@ def test_near_misses_are_left_alone(name):
 
 
 def test_weight_colsum_computed_once_per_weight():
-    weight_cache.clear_cache()
+    azp_op.clear_colsum_cache()
     w = torch.randint(-100, 100, (N, K), dtype=torch.int8)
     expected = w.to(torch.int32).sum(1, dtype=torch.int32)
     for _ in range(3):
         out = torch.ops.quantfuse.weight_colsum(w)
         torch.testing.assert_close(out, expected)
         out.zero_()  # a caller owning (and overwriting) its result must not corrupt the cache
-    assert weight_cache.stats == {"computed": 1, "hits": 2}
+    assert azp_op.colsum_stats == {"computed": 1, "hits": 2}
     w.add_(1)  # in-place update: the version counter invalidates the cached sums
     torch.testing.assert_close(torch.ops.quantfuse.weight_colsum(w), expected + K)
-    assert weight_cache.stats["computed"] == 2
+    assert azp_op.colsum_stats["computed"] == 2
 
 
 def test_compiled_azp_module_computes_colsum_once():
     """The transformed graph, run three times, computes the column sums once."""
-    weight_cache.clear_cache()
+    azp_op.clear_colsum_cache()
     mod = W8A8Linear.from_linear(torch.nn.Linear(K, N), symmetric=False)
     gen = torch.Generator().manual_seed(4)
     r = apply_passes(mod, torch.randn(4, K, generator=gen))
@@ -203,8 +203,8 @@ def test_compiled_azp_module_computes_colsum_once():
         x = torch.randn(4, K, generator=gen)
         with torch.no_grad():
             _close(r.compiled(x), mod(x))
-    assert weight_cache.stats["computed"] == 1, weight_cache.stats
-    assert weight_cache.stats["hits"] == 2, weight_cache.stats
+    assert azp_op.colsum_stats["computed"] == 1, azp_op.colsum_stats
+    assert azp_op.colsum_stats["hits"] == 2, azp_op.colsum_stats
 
 
 @pytest.mark.parametrize("dq", [torch.float16, torch.bfloat16], ids=str)

@@ -61,11 +61,11 @@ def assert_close_to_reference(out, x, w, s, b, *, source_roundings=0):
 
 def test_op_contract_and_errors():
     x, w, s, b = data(torch.bfloat16)
-    out = compile_backend.ops.w8a16_gemm(x, w, s, b)
+    out = torch.ops.quantfuse.w8a16_gemm(x, w, s, b)
     assert_close_to_reference(out, x, w, s, b)
-    assert compile_backend.ops.w8a16_gemm(x, w, s[:1]).shape == (5, N)  # per-tensor scale
-    assert compile_backend.ops.w8a16_gemm(x, w, s.to(x.dtype)).dtype == x.dtype
-    assert compile_backend.ops.w8a16_gemm(x[:0], w, s).shape == (0, N)
+    assert torch.ops.quantfuse.w8a16_gemm(x, w, s[:1]).shape == (5, N)  # per-tensor scale
+    assert torch.ops.quantfuse.w8a16_gemm(x, w, s.to(x.dtype)).dtype == x.dtype
+    assert torch.ops.quantfuse.w8a16_gemm(x[:0], w, s).shape == (0, N)
     bad = {
         "'x'": (x.to(torch.int8), w, s, b),
         "'w_q'": (x, w.float(), s, b),
@@ -76,7 +76,7 @@ def test_op_contract_and_errors():
     }
     for msg, args in bad.items():
         with pytest.raises(QuantfuseInputError, match=msg):
-            compile_backend.ops.w8a16_gemm(*args)
+            torch.ops.quantfuse.w8a16_gemm(*args)
 
 
 def test_op_autograd_formula():
@@ -84,7 +84,7 @@ def test_op_autograd_formula():
     x.requires_grad_()
     s.requires_grad_()
     b.requires_grad_()
-    out = compile_backend.ops.w8a16_gemm(x, w, s, b)
+    out = torch.ops.quantfuse.w8a16_gemm(x, w, s, b)
     g = torch.randn_like(out)
     got = torch.autograd.grad(out, (x, s, b), g)
     x64, s64, b64 = (t.detach().double().requires_grad_() for t in (x, s, b))

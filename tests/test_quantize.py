@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import compile_backend.ops as ops
-from compile_backend.held_parameter import HeldParameter
+from compile_backend.derived.held_parameter import HeldParameter
 from compile_backend.quantize import (
     AWQLinear,
     W8A8Linear,
@@ -133,7 +133,7 @@ def test_w8a8_linear_matches_scaled_mm_op():
     mod = W8A8Linear.from_linear(nn.Linear(64, 32), out_dtype=torch.float32)
     x = torch.randn(5, 64)
     q, scale, _ = mod.quantize_input(x)
-    out = ops.scaled_mm(q, mod.weight.t(), scale, mod.weight_scale, torch.float32, mod.bias)
+    out = torch.ops.quantfuse.scaled_mm(q, mod.weight.t(), scale, mod.weight_scale, torch.float32, mod.bias)
     torch.testing.assert_close(out, mod(x), rtol=1e-5, atol=1e-5)
 
 
@@ -203,7 +203,7 @@ def test_eager_cuda_inference_calls_the_op(scheme, monkeypatch):
 
 
 def test_quantize_model_swaps_linears_and_skips_lm_head():
-    from compile_backend.llama import tiny_llama
+    from compile_backend.models.llama import tiny_llama
 
     model = quantize_model(tiny_llama(), "int8")
     kinds = {type(m).__name__ for n, m in model.named_modules() if n.endswith("_proj")}
@@ -219,7 +219,7 @@ def test_quantize_model_swaps_linears_and_skips_lm_head():
 def test_awq_in_a_float32_model_runs_eager_and_compiled():
     """AWQ layers of a float32 model take and give float32 (computing in float16 between the
     casts), so the model runs, eagerly and compiled with every layer fused, close to float32."""
-    from compile_backend.llama import tiny_llama
+    from compile_backend.models.llama import tiny_llama
     from compile_backend.passes import collecting_report
 
     dense = tiny_llama()
@@ -702,9 +702,9 @@ def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 def test_compiled_model_sees_writes_through_data(scheme):
     """Compiled once, in one graph; writes through ``.data`` after compiling recompile nothing, and the
     next call computes with the new weights: the values derived from them (the merged q/k/v weights,
-    the column sums of asymmetric int8 weights; on CPU cached by ``ops._concat_cache`` and
-    ``weight_cache.cache``) are made again, as their version counters changed."""
-    from compile_backend.llama import LlamaConfig, tiny_llama
+    the column sums of asymmetric int8 weights; on CPU cached by ``ops.concat_weights.concat_cache`` and
+    ``ops.scaled_mm_azp.colsum_cache``) are made again, as their version counters changed."""
+    from compile_backend.models.llama import LlamaConfig, tiny_llama
 
     dtype = torch.float16 if scheme.startswith("awq") else torch.float32
     cfg = LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_layers=1)

@@ -14,8 +14,8 @@ from conftest import DEV, kernel_names
 from torch import nn
 
 from compile_backend.ops import QuantfuseInputError
+from compile_backend.ops.quantize_per_token import reference
 from compile_backend.quantize import W8A8Linear
-from compile_backend.quantize_per_token import reference
 
 MODES = {"int8": (torch.int8, True), "int8-asym": (torch.int8, False), "fp8": (torch.float8_e4m3fn, True)}
 DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
@@ -100,7 +100,7 @@ def test_rejects_malformed_naming_the_argument(case):
 def test_layer_forward_op_quantizes_through_the_op(monkeypatch):
     """W8A8Linear.forward_op (what eager CUDA inference runs) hands dynamic per-token activations
     to the op; per-tensor and static ones keep the layer's own form."""
-    import compile_backend.quantize as quantize_module
+    import compile_backend.quantize.modules as quantize_module
 
     seen = []
     op = quantize_module.quantize_per_token

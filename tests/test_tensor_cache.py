@@ -1,4 +1,4 @@
-"""compile_backend.tensor_cache: values derived from tensors, computed once per tensor
+"""compile_backend.derived.tensor_cache: values derived from tensors, computed once per tensor
 (weight_colsum's CPU implementation uses it; on CUDA the kernels' library keeps its own cache,
 csrc/common/derived_cache.*, tested in test_cuda_dispatch.py)."""
 
@@ -8,7 +8,7 @@ import gc
 
 import torch
 
-from compile_backend.tensor_cache import TensorCache
+from compile_backend.derived.tensor_cache import TensorCache
 
 
 def test_hit_for_the_same_data_and_miss_after_in_place_write():

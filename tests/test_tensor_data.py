@@ -1,5 +1,5 @@
 """``t.data`` of a plain tensor that does not require grad shares its version counter
-(compile_backend/tensor_data.py), so the caches of values derived from weights see writes through
+(compile_backend/derived/tensor_data.py), so the caches of values derived from weights see writes through
 it, whoever's module holds the weight."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import compile_backend  # noqa: F401  (installs the getter)
-from compile_backend import tensor_data
-from compile_backend.held_parameter import HeldParameter
+from compile_backend.derived import tensor_data
+from compile_backend.derived.held_parameter import HeldParameter
 from compile_backend.passes import collecting_report
 
 

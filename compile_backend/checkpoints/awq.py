@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..quantize import AWQLinear
+from ..quantize.modules import AWQLinear
 from .common import LayerPlan, UnsupportedCheckpointError, unsupported
 
 LAYER_TENSORS = {"qweight", "qzeros", "scales", "bias", "g_idx"}

@@ -51,7 +51,7 @@ def fill_tensors(module: nn.Module, name: str, tensors: dict[str, torch.Tensor])
     """Set the tensors a quantized module (built on the meta device) holds to ``tensors``,
     checking each against the placeholder's shape and dtype; every tensor the module holds
     must be given."""
-    from ..quantize import held_tensors, set_tensors
+    from ..quantize.modules import held_tensors, set_tensors
 
     filled = {}
     for key, placeholder in held_tensors(module).items():

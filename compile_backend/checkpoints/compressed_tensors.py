@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..quantize import W8A8Linear
+from ..quantize.modules import W8A8Linear
 from . import pack_quantized
 from .common import LayerPlan, UnsupportedCheckpointError, check_tensor, fill_tensors, unsupported
 

@@ -9,15 +9,17 @@ from collections import Counter
 
 import torch
 
+from ..quantize.merged import share_input_storage
 from . import files
 from . import model as skeleton_ops
 from .awq import AWQFormat
 from .common import UnsupportedCheckpointError, by_module, parse_dtype
 from .compressed_tensors import CompressedTensorsFormat
+from .gptq import GPTQFormat
 
 log = logging.getLogger("quantfuse.checkpoints")
 
-FORMATS = {"compressed-tensors": CompressedTensorsFormat, "awq": AWQFormat}
+FORMATS = {"compressed-tensors": CompressedTensorsFormat, "awq": AWQFormat, "gptq": GPTQFormat}
 # Tensors that only a quantized layer reads: left over, they mean a layer was loaded without them.
 QUANTIZATION_SUFFIXES = ("weight_scale", "weight_zero_point", "input_scale", "input_zero_point", "weight_packed",
                          "weight_shape", "qweight", "qzeros", "scales", "g_idx")
@@ -45,8 +47,9 @@ def from_pretrained(path, dtype=None, device=None, mesh=None, tp_plan=None):
     ``huggingface_hub``).  Formats: compressed-tensors ``int-quantized`` / ``float-quantized``
     (W8A8 int8 and FP8: per-tensor or per-channel weights; dynamic per-token or per-tensor, or
     static, activations; symmetric or asymmetric int8 activations) and ``pack-quantized`` (4-bit
-    weight-only, as ``AWQLinear``), and AWQ ``gemm`` (``quant_method: awq``, from AutoAWQ or
-    transformers).  ``dtype``: the activation dtype of the
+    weight-only, as ``AWQLinear``), AWQ ``gemm`` (``quant_method: awq``, from AutoAWQ or
+    transformers) and GPTQ 4-bit (``quant_method: gptq``, formats ``gptq`` and ``gptq_v2``, act-order
+    included; repacked into ``AWQLinear``).  ``dtype``: the activation dtype of the
     model (its unquantized weights, the layers' outputs); default (or ``"auto"``) the config's
     ``dtype`` / ``torch_dtype``.  ``device``: where the tensors are read to (default CPU).
     ``mesh``: a 1-D ``DeviceMesh`` or a process group to shard the loaded model over with
@@ -151,4 +154,6 @@ def from_pretrained(path, dtype=None, device=None, mesh=None, tp_plan=None):
         from ..tensor_parallel import tensor_parallel
 
         tensor_parallel(model, mesh, tp_plan)
+    # The projections that share an input as views of one merged tensor (quantize/merged.py).
+    share_input_storage(model)
     return model

@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..quantize import AWQLinear, awq_pack
+from ..quantize.modules import AWQLinear
+from ..quantize.weights import awq_pack
 from .common import LayerPlan, UnsupportedCheckpointError, check_tensor, unsupported
 
 HALF = (torch.float16, torch.bfloat16)

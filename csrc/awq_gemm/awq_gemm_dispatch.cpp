@@ -1,5 +1,5 @@
 // quantfuse::awq_gemm and quantfuse::awq_dequantize on CUDA, one dispatcher trip each: the
-// operand rules of compile_backend/ops.py (_check_awq) mirrored, then the kernel chosen by M
+// operand rules of compile_backend/ops/awq_gemm.py (check_awq) mirrored, then the kernel chosen by M
 // (thresholds measured on an H100):
 //
 // * M <= kDecodeMaxM: the weight-streaming tensor-core kernel (awq_gemm_strip.cuh) on the

@@ -1,7 +1,7 @@
 // quantfuse AWQ W4A16: tensor checks and op registration for the CUDA kernels.
 //
 // The public ops quantfuse::awq_gemm / awq_dequantize are defined in Python
-// (compile_backend/ops.py); their CUDA dispatch (awq_gemm_dispatch.cpp) calls these entry points,
+// (compile_backend/ops/awq_gemm.py); their CUDA dispatch (awq_gemm_dispatch.cpp) calls these entry points,
 // which tests and benchmarks also reach as private ops.
 
 #include <ATen/cuda/CUDAContext.h>

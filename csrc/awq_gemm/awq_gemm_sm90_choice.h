@@ -26,7 +26,7 @@ namespace awq_sm90 {
 //   64 x 128).
 // The per-wave times of configs 0-12 are fitted to a sweep of all of them forced at
 // M = 128..4096 on the four Llama shapes, two repeats, fresh x per input set
-// (benchmarks/bench_awq_sm90_configs.py --fresh-x).  On that sweep the choice is within 5% of
+// (benchmarks/dev/bench_awq_sm90_configs.py --fresh-x).  On that sweep the choice is within 5% of
 // the fastest configuration at 64 of the 72 points, 0.9% slower summed and at most 15%
 // (28672 x 4096 at M = 320); without configs 11 and 12 it would be 2.3% slower summed and at
 // most 24%.

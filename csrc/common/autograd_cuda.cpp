@@ -1,6 +1,6 @@
 // The Autograd step of the public quantfuse ops on CUDA, in C++.
 //
-// The ops' derivatives are Python formulas (compile_backend/autograd.py, registered with
+// The ops' derivatives are Python formulas (each family module of compile_backend/ops/, registered with
 // torch.library.register_autograd for the Autograd alias key).  A Python autograd kernel costs
 // every call a trip through the interpreter, whether or not a gradient is wanted; at decode
 // without CUDA graphs that was the largest part of the host time above the kernel's own.  This
@@ -45,7 +45,7 @@ void autograd_cuda(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch:
 
 }  // namespace
 
-// Every public op with a derivative in compile_backend/autograd.py (FORMULAS).
+// Every public op with a derivative in compile_backend/ops/ (ops.library.WITH_AUTOGRAD).
 TORCH_LIBRARY_IMPL(quantfuse, AutogradCUDA, m) {
   for (const char* name : {"scaled_mm", "scaled_mm_azp", "awq_gemm", "awq_dequantize", "w8a16_gemm"}) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&autograd_cuda>());

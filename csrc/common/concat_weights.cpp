@@ -3,6 +3,12 @@
 // call; made again after any in-place write to a part (copy_, load_state_dict), never inside a
 // CUDA-graph warm-up's pool.
 //
+// Parts that lie side by side in one tensor (quantize_model and from_pretrained store them so:
+// compile_backend/quantize/merged.py) are not copied: the value is a tensor over that memory
+// (over_parts).  It has a storage object of its own, as a custom op's output must not alias its
+// inputs' storages, and shares the parts' version counter, so that values derived from it in
+// turn (the AWQ repack) are made again after a write to any part.
+//
 // The cached tensor itself is returned, not a copy: a copy per call would read and write the
 // weights again on every step, more traffic than the GEMM that reads them.  The graph pass that
 // inserts the op (passes/horizontal.py) keeps Inductor from reusing the result's memory for
@@ -53,6 +59,44 @@ std::string refusal(at::TensorList parts, int64_t dim, at::OptionalIntArrayRef s
   return "";
 }
 
+// The parts' concatenation as a view when they are adjacent slices of one tensor: one storage,
+// the same dtype and strides, equal sizes but along dim, each starting where the one before ends
+// (compile_backend/ops/concat_weights.py, adjacent_view: the same rule).
+std::optional<at::Tensor> adjacent_view(at::TensorList parts, int64_t dim, at::OptionalIntArrayRef sizes) {
+  const at::Tensor& first = parts.front();
+  if (first.is_inference()) return std::nullopt;  // no version counter to share
+  if (sizes.has_value()) {
+    for (size_t i = 0; i < parts.size(); ++i)
+      if (parts[i].dim() != 1 || parts[i].numel() != (*sizes)[i]) return std::nullopt;
+    dim = 0;
+  }
+  const int64_t ndim = first.dim();
+  if (ndim == 0) return std::nullopt;
+  const int64_t d = dim < 0 ? dim + ndim : dim;
+  int64_t offset = first.storage_offset();
+  for (const auto& p : parts) {
+    if (p.scalar_type() != first.scalar_type() || p.dim() != ndim || !p.strides().equals(first.strides()) ||
+        p.storage().unsafeGetStorageImpl() != first.storage().unsafeGetStorageImpl() || p.storage_offset() != offset)
+      return std::nullopt;
+    for (int64_t k = 0; k < ndim; ++k)
+      if (k != d && p.size(k) != first.size(k)) return std::nullopt;
+    offset += p.size(d) * p.stride(d);
+  }
+  std::vector<int64_t> shape(first.sizes().begin(), first.sizes().end());
+  shape[d] = 0;
+  for (const auto& p : parts) shape[d] += p.size(d);
+  return first.as_strided(shape, first.strides(), first.storage_offset());
+}
+
+// `view`'s elements as a tensor with a storage object of its own that keeps the view's storage
+// alive, sharing the view's version counter (see the top of this file).
+at::Tensor over_parts(const at::Tensor& view) {
+  c10::Storage keep = view.storage();
+  at::Tensor out = at::from_blob(view.data_ptr(), view.sizes(), view.strides(), [keep](void*) {}, view.options());
+  out.unsafeGetTensorImpl()->set_version_counter(view.unsafeGetTensorImpl()->version_counter());
+  return out;
+}
+
 at::Tensor concatenate(at::TensorList parts, int64_t dim, at::OptionalIntArrayRef sizes) {
   if (!sizes.has_value()) return at::cat(parts, dim);
   std::vector<at::Tensor> vectors;
@@ -71,6 +115,7 @@ at::Tensor concat_weights_cuda(at::TensorList parts, int64_t dim, at::OptionalIn
   std::vector<int64_t> extra{dim, sizes.has_value() ? 1 : 0};
   if (sizes.has_value()) extra.insert(extra.end(), sizes->begin(), sizes->end());
   const auto values = derived_list(kConcatWeights, parts, extra, [&] {
+    if (auto view = adjacent_view(parts, dim, sizes)) return std::vector<at::Tensor>{over_parts(*view)};
     return std::vector<at::Tensor>{concatenate(parts, dim, sizes)};
   });
   return values[0];

@@ -83,7 +83,7 @@ bool made_from(const Entry& e, const c10::TensorImpl* impl) {
 // again (their memory may be reused): their values are freed, and then the entries whose sources
 // were among those values (a repacked layout of a concatenation), until none is left.  Called
 // without g_mutex: the values are released after it is unlocked, since freeing a tensor may run
-// Python code (a finalizer of compile_backend/freed_weights.py) that calls back in.
+// Python code (a finalizer of compile_backend/derived/freed_weights.py) that calls back in.
 void drop_dead_entries(const c10::TensorImpl* dying = nullptr) {
   for (;;) {
     std::vector<std::vector<at::Tensor>> freed;

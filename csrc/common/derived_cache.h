@@ -43,7 +43,7 @@ enum DerivedKind : int { kAwqRepack = 1, kAwqPrepareSm90 = 2, kWeightColsum = 3,
 // Drops every entry and zeroes the counts.
 void clear_derived();
 
-// CUDA graphs captured under the quantfuse backend (compile_backend/captured_graphs.py): a graph
+// CUDA graphs captured under the quantfuse backend (compile_backend/derived/captured_graphs.py): a graph
 // replays the values it was captured with, with no host code of ours running, so a weight changed
 // in place afterwards would go unseen.  Each compiled graph calls graph_enter(id) before it runs
 // and graph_exit() after; values served while it is captured are recorded under its id with their
@@ -58,7 +58,7 @@ void graph_forget(int64_t graph);
 std::vector<int64_t> derived_stats();
 
 // Drops the entries made from the tensor whose TensorImpl is at `impl`, and those of freed sources.
-// A weight's finalizer (compile_backend/freed_weights.py) calls it while the weight is being freed:
+// A weight's finalizer (compile_backend/derived/freed_weights.py) calls it while the weight is being freed:
 // Python runs it before the TensorImpl goes, so the entries could not yet tell that it is gone.
 void drop_source(int64_t impl);
 

@@ -1,4 +1,4 @@
-// The public ops' way back to their reference implementation (compile_backend/ops.py), used
+// The public ops' way back to their reference implementation (compile_backend/ops/, define_op in library.py), used
 // by the CUDA dispatch when no kernel takes an input: quantfuse::_<op>_reference takes the
 // op's arguments and the reason, logs the reason and runs the reference, which also raises
 // the error that names a malformed argument.

@@ -3,7 +3,7 @@
 // CUTLASS encodes each TMA descriptor on the host (four to five per SM90 GEMM call); by default it
 // first asks the runtime for the driver function by name (cudaGetDriverEntryPoint[ByVersion]) on
 // every descriptor.
-// The build (compile_backend/build_config.py, DRIVER_DEFINES) makes CUTLASS call the function
+// The build (compile_backend/kernels/build_config.py, DRIVER_DEFINES) makes CUTLASS call the function
 // directly and renames it to this one, which caches the driver's entry point.  The library is
 // not linked against libcuda: it loads wherever torch's CUDA build loads.
 #include <cuda.h>

@@ -2,7 +2,7 @@
 // dispatch (quantize_per_token_dispatch.cpp) and the kernel (quantize_per_token_kernels.cu).  No
 // torch and no CUDA headers here.
 //
-// Contract (compile_backend/quantize_per_token.py): per row m of x [M, K], symmetric:
+// Contract (compile_backend/ops/quantize_per_token.py): per row m of x [M, K], symmetric:
 // scale = max(amax|x_m| * (1 / qmax), 1e-8), q = clamp(round(x / scale)) (int8) or
 // e4m3(clamp(x / scale, +-448)) (fp8), zero point 0; asymmetric int8: scale = max((max(x_m, 0) -
 // min(x_m, 0)) * (1 / 255), 1e-8), zero point = clamp(round(-128 - min / scale), -128, 127),

@@ -1,5 +1,5 @@
 // quantfuse::quantize_per_token on CUDA, one dispatcher trip: the operand rules of
-// compile_backend/quantize_per_token.py mirrored, then the kernel (quantize_per_token_kernels.cu).
+// compile_backend/ops/quantize_per_token.py mirrored, then the kernel (quantize_per_token_kernels.cu).
 // An activation whose elements are not adjacent along K is copied to a dense one first (a row
 // pitch of 0, from expand, is read as it is).  Inputs the kernel does not take (CPU or meta
 // tensors, sizes beyond 32-bit indexing) and malformed ones run the reference, which logs the

@@ -1,7 +1,7 @@
 // The per-token activation quantization kernel (contract: quantize_per_token.h).  One CTA per
 // row: a first pass reduces the row (amax, or min and max), a second reads it again (from L2)
 // and writes the quantized values.  Every step is the float32 arithmetic torch's element-wise
-// kernels do on CUDA for the form in compile_backend/quantize_per_token.py, so q, the scale and
+// kernels do on CUDA for the form in compile_backend/ops/quantize_per_token.py, so q, the scale and
 // the zero point equal the form's bit for bit: IEEE division by the scale, t * (1 / c) where the
 // form divides by a Python number c, round half to even, and torch's own float -> e4m3 rounding.
 #include <c10/util/Float8_e4m3fn.h>

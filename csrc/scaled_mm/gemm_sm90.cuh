@@ -121,7 +121,7 @@ struct ConfigLargeNoCluster : ConfigLarge {
 };
 
 // By M, then by how well the output tiles fill the SMs (H100 sweep, 128 <= M <= 8192 on the
-// four LLM shapes: benchmarks/bench_scaled_mm_configs.py):
+// four LLM shapes: benchmarks/dev/bench_scaled_mm_configs.py):
 // * 64 < M <= 256 takes the medium 64x128 tiles while they fit in one wave, else the large
 //   128x128 ones (N = 6144 or 28672 at M = 256: 6-26% faster, int8 and fp8);
 // * fp8 at 64 < M <= 128 takes the small tiles when the medium ones would fill less than half

@@ -1,7 +1,7 @@
 // W8A8 decode kernel (M <= 16): streams the weight once through mma.sync tensor-core
 // instructions (int8: m16n8k32 s8 x s8 -> s32, sm_80+; fp8 e4m3: m16n8k32 e4m3 x e4m3 ->
 // f32, sm_89+).  Whether the public ops route here is decided in scaled_mm_dispatch.cpp
-// from H100 measurements (benchmarks/bench_scaled_mm_decode.py).
+// from H100 measurements (benchmarks/dev/bench_scaled_mm_decode.py).
 //
 // Roles (a "swapped" product, D^T = W A^T): the WEIGHT [N, K] (row-major; b is its
 // transpose) is the mma A operand, 16 output channels per m16 tile; the activations are

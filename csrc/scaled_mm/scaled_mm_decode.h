@@ -32,7 +32,7 @@ constexpr int kWarpsPerSm = 16;  // resident warps per SM at the kernel's 128-re
 // The work split for an N x K weight on a GPU with `sms` SMs.  `splits` > 0 forces the
 // cluster size (tests, benchmarks), `warps` > 0 the warps per CTA and `batch` > 0 the
 // chunks per load batch (benchmarks); clusters (splits > 1) need sm_90 (`clusters`).
-// Chosen (H100, benchmarks/bench_scaled_mm_decode.py): no cluster; 4 or 8 warps per CTA
+// Chosen (H100, benchmarks/dev/bench_scaled_mm_decode.py): no cluster; 4 or 8 warps per CTA
 // splitting K, whichever leaves the last wave of warps fuller (4 on a tie: fewer partial
 // sums), e.g. 8 for N = 4096 (one full wave instead of half of one) and N = 28672 (6.8 waves
 // instead of 3.4), 4 for N = 6144; batches of 4 chunks for one token tile, 2 for two

@@ -1,5 +1,5 @@
 // quantfuse::scaled_mm on CUDA, registered here so that a call takes one dispatcher trip:
-// the operand rules of compile_backend/ops.py (_check_w8a8) mirrored, then the kernel chosen
+// the operand rules of compile_backend/ops/scaled_mm.py (check_w8a8) mirrored, then the kernel chosen
 // by M and the GPU:
 //
 // * M <= kDecodeMaxM: the weight-streaming decode kernel (scaled_mm_decode.cuh).  On the
@@ -32,7 +32,7 @@ namespace {
 
 constexpr int64_t kDecodeMaxM = decode::kMaxM;
 constexpr int64_t kFp8CublasLtMinM = 256;
-// |sum of K int8 products| <= 128 * 128 * K must stay below 2^31 (compile_backend/ops.py:
+// |sum of K int8 products| <= 128 * 128 * K must stay below 2^31 (compile_backend/ops/scaled_mm.py:
 // INT8_EXACT_MAX_K).
 constexpr int64_t kInt8ExactMaxK = int64_t(1) << 17;
 

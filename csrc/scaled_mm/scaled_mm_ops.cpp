@@ -1,7 +1,7 @@
 // Torch-facing side of the W8A8 CUTLASS kernels: tensor checks, current stream,
 // dispatch to the per-dtype launchers (plain C++, see scaled_mm_launch.h), and the
 // registration of the private op quantfuse::_scaled_mm_cutlass.  The public ops
-// quantfuse::scaled_mm / scaled_mm_azp are defined in Python (compile_backend/ops.py);
+// quantfuse::scaled_mm / scaled_mm_azp are defined in Python (compile_backend/ops/scaled_mm.py);
 // scaled_mm_dispatch.cpp decides when it runs.
 #include <torch/all.h>
 #include <torch/library.h>

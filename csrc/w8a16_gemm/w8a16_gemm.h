@@ -2,7 +2,7 @@
 // (w8a16_gemm_dispatch.cpp, w8a16_gemm_ops.cpp) and the kernels (w8a16_gemm_*.cu).  No torch
 // and no CUDA headers here.
 //
-// Contract (compile_backend/ops.py, w8a16_gemm): y[m, n] = (sum_k x[m, k] * w[n, k]) * s[n] +
+// Contract (compile_backend/ops/w8a16_gemm.py, w8a16_gemm): y[m, n] = (sum_k x[m, k] * w[n, k]) * s[n] +
 // bias[n], products accumulated in float32, the scale and the bias applied to the accumulator in
 // float32 (multiply, then add; no contraction), one rounding to x's dtype.
 #pragma once

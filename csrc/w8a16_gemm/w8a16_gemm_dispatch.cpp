@@ -1,4 +1,4 @@
-// quantfuse::w8a16_gemm on CUDA, one dispatcher trip: the operand rules of compile_backend/ops.py
+// quantfuse::w8a16_gemm on CUDA, one dispatcher trip: the operand rules of compile_backend/ops/w8a16_gemm.py
 // (_check_w8a16) mirrored, then the kernel chosen by M and K:
 //
 // * K % 16 == 0 and 1 <= M <= kDecodeMaxM (float16 / bfloat16; slices of 16 tokens) or

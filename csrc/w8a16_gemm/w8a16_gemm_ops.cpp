@@ -1,6 +1,6 @@
 // quantfuse W8A16: the kernels' torch-facing entry points (w8a16_gemm_torch.h) and the private
 // ops tests and benchmarks reach them through (_w8a16_decode_cuda, _w8a16_prefill_cuda).  The
-// public op quantfuse::w8a16_gemm is defined in Python (compile_backend/ops.py); its CUDA
+// public op quantfuse::w8a16_gemm is defined in Python (compile_backend/ops/w8a16_gemm.py); its CUDA
 // dispatch is w8a16_gemm_dispatch.cpp.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>

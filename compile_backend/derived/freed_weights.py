@@ -9,7 +9,7 @@ prepared layouts).
 
 So each tensor such a value may be made from gets a finalizer that has the cache drop the values
 made from it as the tensor is freed: the quantized weights of our modules
-(``compile_backend/quantize.py``) and every integer or fp8 CUDA tensor a compiled graph takes
+(``compile_backend/quantize/modules.py``) and every integer or fp8 CUDA tensor a compiled graph takes
 (other libraries' quantized weights; for a wrapper tensor subclass such as torchao's, the tensors
 inside it, which are what our ops receive).  Every derived value is made from at least one such
 tensor: AWQ's packed int32 weight, an int8 or fp8 weight, the parts of a concatenation.  Python
@@ -25,7 +25,7 @@ from collections.abc import Iterable
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from compile_backend import kernels
+from ..kernels import loader as kernels
 
 WEIGHT_DTYPES = frozenset({torch.int8, torch.uint8, torch.int32, torch.float8_e4m3fn, torch.float8_e5m2})
 

@@ -1,6 +1,6 @@
 """How the CUDA kernels in ``csrc/`` are compiled, shared by every build of them.
 
-``setup.py`` (the ahead-of-time build into ``compile_backend/_C``), ``kernels.py``
+``setup.py`` (the ahead-of-time build into ``compile_backend/_C``), ``kernels/loader.py``
 (the JIT build at first use) and ``.ci/compile_csrc.py`` (CI's compile-only
 check) take their sources, flags and include directories from here, so the
 three compile the same thing.  This module imports nothing beyond the standard

@@ -8,7 +8,7 @@ added to the scores when floating, or True where a position is attended when boo
 
 ``passes/gqa_decode.py`` puts it where a compiled model's one-token attention repeats its keys
 and values (every model on transformers' sdpa attention, with a static cache). On CUDA it is two
-Triton kernels (``gqa_decode_kernel.py``) that read each key/value head's cache once for its ``n``
+Triton kernels (``gqa_decode_triton.py``) that read each key/value head's cache once for its ``n``
 query heads, in slices spread over the SMs; a 32-layer Llama-3-8B decode step spent about 10 µs
 per layer in cuDNN's attention and its reduction, a kernel built for many query rows
 (benchmarks/RESULTS.md). The reference, on every device and for what the kernels do not take,
@@ -25,7 +25,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from . import ops
+from .library import QuantfuseInputError, define_op, lib
 
 log = logging.getLogger("quantfuse.gqa_decode")
 
@@ -36,7 +36,7 @@ MAX_GROUP = 16  # query heads per key/value head, as rows of one tl.dot (the GPU
 
 def _check(q, k, v, attn_mask, scale) -> None:
     def fail(what):
-        raise ops.QuantfuseInputError(f"quantfuse.gqa_decode: {what}")
+        raise QuantfuseInputError(f"quantfuse.gqa_decode: {what}")
 
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
@@ -116,7 +116,7 @@ def _cuda(q, k, v, attn_mask, scale):
     if reason is not None:
         log.debug("quantfuse.gqa_decode: reference runs: %s", reason)
         return _on_kv_heads(q, k, v, attn_mask, scale)
-    from .gqa_decode_kernel import gqa_decode_triton
+    from .gqa_decode_triton import gqa_decode_triton
 
     with torch.cuda.device(q.device):
         return gqa_decode_triton(q, k, v, attn_mask, scale)
@@ -126,10 +126,8 @@ def _fake(q, k, v, attn_mask, scale):
     return q.new_empty(q.shape)
 
 
-_lib = torch.library.Library(ops.NAMESPACE, "FRAGMENT")
-_lib.define("gqa_decode(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, float scale) -> Tensor")
-_lib.impl("gqa_decode", reference, "CompositeExplicitAutograd")
-_lib.impl("gqa_decode", _cuda, "CUDA")
-torch.library.register_fake("quantfuse::gqa_decode", _fake, lib=_lib)
+SCHEMA = "gqa_decode(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, float scale) -> Tensor"
 
-gqa_decode = torch.ops.quantfuse.gqa_decode
+# No kernels' library behind it: its CUDA implementation is the Triton kernels, registered here.
+gqa_decode = define_op(SCHEMA, reference, _fake, kernel_dispatch=False, fixed_strides=False)
+lib.impl("gqa_decode", _cuda, "CUDA")

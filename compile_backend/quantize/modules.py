@@ -1,8 +1,8 @@
-"""Reference quantized modules and weight packers, in plain torch ops.
+"""The quantized modules, in plain torch ops.
 
 These are the forms users have in their models; the passes recognise them and
-the ops reproduce their math.  ``quantize_model`` swaps ``nn.Linear`` layers for
-them with round-to-nearest quantization.
+the ops reproduce their math.  ``quantize_model`` (``model.py``) swaps ``nn.Linear``
+layers for them with round-to-nearest quantization (``weights.py``).
 
 * ``W8A8Linear``: int8 or float8_e4m3fn weights ``[N, K]`` with per-tensor or
   per-channel scales; activations quantized per call (dynamic, per-token or
@@ -16,109 +16,23 @@ them with round-to-nearest quantization.
 Both hold their tensors as frozen parameters (``requires_grad=False``): guard evaluation skips
 a quantized layer as it skips an ``nn.Linear``, which matters per decode step (docs/DESIGN.md,
 "Guards").  They are ``HeldParameter``s, whose ``.data`` shares the version counter, so that the
-cache of values derived from weights sees writes through ``.data`` (``held_parameter.py``);
+cache of values derived from weights sees writes through ``.data`` (``compile_backend/derived/held_parameter.py``);
 every way a tensor is put in (assignment, ``set_tensors``, ``load_state_dict``, dtype and device
 conversions) keeps the class.  ``set_tensors`` replaces them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import freed_weights
-from .held_parameter import HeldParameter
-from .ops import AWQ_ORDER, AWQ_PACK, AWQ_SHIFTS, OUT_DTYPES, awq_unpack
-from .quantize_per_token import (
-    FP8_MAX,
-    INT8_MAX,
-    MIN_SCALE,
-    X_DTYPES,
-    activation_params,
-    quantize_per_token,
-    quantize_with,
-)
-from .weight_cache import azp_operands
-
-# --------------------------------------------------------------------------- packers
-
-
-def awq_pack(values: torch.Tensor) -> torch.Tensor:
-    """[R, N] ints in [0, 15] -> [R, N/8] int32 in AWQ bit order."""
-    if values.dim() != 2 or values.shape[1] % AWQ_PACK != 0:
-        raise ValueError(f"awq_pack: 'values' has shape {tuple(values.shape)}; expected [R, N] with N % 8 == 0")
-    if values.numel() and (values.min() < 0 or values.max() > 15):
-        raise ValueError("awq_pack: 'values' must lie in [0, 15]")
-    v = values.to(torch.int64).reshape(values.shape[0], -1, AWQ_PACK)
-    shifts = torch.tensor(AWQ_SHIFTS, dtype=torch.int64, device=values.device)
-    packed = (v << shifts).sum(-1)  # nibbles do not overlap, so the sum is an OR
-    # Reinterpret the unsigned 32-bit pattern as int32.
-    packed = torch.where(packed >= 2**31, packed - 2**32, packed)
-    return packed.to(torch.int32)
-
-
-def awq_unpack_values(packed: torch.Tensor) -> torch.Tensor:
-    """Inverse of ``awq_pack``."""
-    return awq_unpack(packed)
-
-
-def quantize_weight_int8(weight: torch.Tensor, per_channel: bool = True):
-    """Symmetric round-to-nearest int8: returns (int8 [N, K], float32 scale [N] or [])."""
-    w = weight.detach().to(torch.float32)
-    amax = w.abs().amax(dim=1) if per_channel else w.abs().amax()
-    scale = (amax / INT8_MAX).clamp(min=MIN_SCALE)
-    q = torch.round(w / (scale.unsqueeze(1) if per_channel else scale)).clamp(-INT8_MAX - 1, INT8_MAX)
-    return q.to(torch.int8), scale
-
-
-def quantize_weight_fp8(weight: torch.Tensor, per_channel: bool = False):
-    """float8_e4m3fn with an amax scale: returns (fp8 [N, K], float32 scale [N] or [])."""
-    w = weight.detach().to(torch.float32)
-    amax = w.abs().amax(dim=1) if per_channel else w.abs().amax()
-    scale = (amax / FP8_MAX).clamp(min=MIN_SCALE)
-    q = (w / (scale.unsqueeze(1) if per_channel else scale)).clamp(-FP8_MAX, FP8_MAX)
-    return q.to(torch.float8_e4m3fn), scale
-
-
-def quantize_weight_awq(weight: torch.Tensor, group_size: int, dtype=torch.float16):
-    """Asymmetric round-to-nearest 4-bit with a zero point per group (AWQ format).
-
-    ``weight`` is ``[N, K]`` (nn.Linear layout); returns ``qweight [K, N/8]``,
-    ``qzeros [K/G, N/8]`` (int32) and ``scales [K/G, N]`` in ``dtype``.
-
-    Each group's range is widened to include 0 (a zero point in [0, 15] can only
-    describe such ranges).  A constant group ``c`` (pruned or padded channels) gets
-    the scale ``|c|`` and ``q - z = sign(c)``, so it dequantizes to ``c`` rounded to
-    ``dtype`` (exactly when ``dtype`` holds ``c``).  Scales are at least ``dtype``'s
-    smallest normal number: a scale that underflows to 0 or a subnormal (1e-8 in
-    float16) would divide by zero here or depend on denormal handling in a kernel;
-    an all-zero group dequantizes to exact zeros.  Weights too large for ``dtype``'s
-    scales raise ``ValueError``.
-    """
-    N, K = weight.shape
-    if not isinstance(group_size, int) or group_size <= 0 or K % group_size != 0:
-        raise ValueError(f"quantize_weight_awq: group_size {group_size!r} is not a positive divisor of K = {K}")
-    if N % AWQ_PACK != 0:
-        raise ValueError(f"quantize_weight_awq: N = {N} is not a multiple of {AWQ_PACK}")
-    w = weight.detach().to(torch.float32).t().reshape(K // group_size, group_size, N)
-    wmin, wmax = w.amin(dim=1), w.amax(dim=1)
-    lo, hi = wmin.clamp(max=0), wmax.clamp(min=0)
-    constant = wmin == wmax
-    scale = torch.where(constant, wmax.abs(), (hi - lo) / 15)
-    scales = scale.to(dtype).clamp(min=torch.finfo(dtype).tiny)
-    if not torch.isfinite(scales).all():
-        raise ValueError(f"quantize_weight_awq: weight values up to {w.abs().max().item():.4g} need scales "
-                         f"beyond {dtype}'s range")
-    s = scales.to(torch.float32)
-    zeros = torch.round(-lo / s).clamp(0, 15)
-    q = torch.round(w / s.unsqueeze(1) + zeros.unsqueeze(1)).clamp(0, 15)
-    qweight = awq_pack(q.reshape(K, N).to(torch.int32))
-    qzeros = awq_pack(zeros.to(torch.int32))
-    return qweight, qzeros, scales
-
+from ..derived import HeldParameter, watch
+from ..ops.awq_gemm import AWQ_PACK, awq_unpack
+from ..ops.library import OUT_DTYPES
+from ..ops.quantize_per_token import X_DTYPES, activation_params, quantize_per_token, quantize_with
+from ..ops.scaled_mm_azp import azp_operands
+from .weights import quantize_weight_awq, quantize_weight_fp8, quantize_weight_int8
 
 # --------------------------------------------------------------------------- held tensors
 
@@ -128,7 +42,7 @@ def _frozen(t: torch.Tensor | None) -> HeldParameter | None:
     if t is None or isinstance(t, HeldParameter) and not t.requires_grad:
         return t
     held = HeldParameter(t.detach(), requires_grad=False)
-    freed_weights.watch((held,))
+    watch((held,))
     return held
 
 
@@ -146,7 +60,7 @@ def _keep_held(module: nn.Module, before: dict) -> None:
             t.__class__ = HeldParameter
             # The swap gave the kept object another tensor (on a move to the GPU, a CUDA one that
             # values may be derived from); moves that set ``.data`` are watched by its setter.
-            freed_weights.watch((t,))
+            watch((t,))
         else:
             module._parameters[name] = _frozen(t)
 
@@ -425,12 +339,21 @@ class AWQLinear(_HoldsTensors):
     leaves ``scales`` and ``bias`` as they are: the layer keeps computing in their dtype,
     casting its input to it and its output to the new dtype (``out_dtype``).  The packed
     ``qweight`` / ``qzeros`` never change dtype.  Device moves move everything.
+
+    Act-order (``act_order=True``; GPTQ checkpoints with ``desc_act``, ``checkpoints/gptq.py``):
+    ``qweight``'s rows are the input channels reordered so that each group is contiguous, and
+    ``perm`` (int64 ``[K]``, a held tensor like the others) says which: row ``j`` is input channel
+    ``perm[j]``.  ``forward`` gathers the activation to match (``x.index_select(-1, perm)``)
+    before the AWQ matmul, which the passes fuse as usual; the gather is its own kernel on every
+    call until the AWQ kernels read the activation through ``perm`` themselves (a later step).
+    ``dequantized_weight`` is in the stored (reordered) row order.  Without act-order ``perm`` is
+    None and the layer is as before (same ``state_dict`` keys).
     """
 
     out_dtype = _dtype_attribute("out_dtype", "the output dtype (see the class doc)")
 
     def __init__(self, in_features: int, out_features: int, *, group_size: int = 128,
-                 bias: bool = True, dtype: torch.dtype = torch.float16):
+                 bias: bool = True, dtype: torch.dtype = torch.float16, act_order: bool = False):
         super().__init__()
         for name, value in (("in_features", in_features), ("out_features", out_features)):
             if not isinstance(value, int) or value <= 0:
@@ -449,7 +372,8 @@ class AWQLinear(_HoldsTensors):
         for name, t in (("qweight", torch.zeros(in_features, packed, dtype=torch.int32)),
                         ("qzeros", torch.zeros(groups, packed, dtype=torch.int32)),
                         ("scales", torch.ones(groups, out_features, dtype=dtype)),
-                        ("bias", torch.zeros(out_features, dtype=dtype) if bias else None)):
+                        ("bias", torch.zeros(out_features, dtype=dtype) if bias else None),
+                        ("perm", torch.arange(in_features) if act_order else None)):
             self.register_parameter(name, _frozen(t))
 
     @classmethod
@@ -466,13 +390,15 @@ class AWQLinear(_HoldsTensors):
 
     @classmethod
     def from_state_dict(cls, state: dict, prefix: str = "", group_size: int | None = None):
-        """Build from an AutoAWQ-format state dict (``qweight``, ``qzeros``, ``scales``, ``bias``).
+        """Build from an AutoAWQ-format state dict (``qweight``, ``qzeros``, ``scales``, ``bias``),
+        or one of this class's with ``perm`` (act-order, see the class doc).
 
         The group size is read from the shapes (``K / scales.shape[0]``).  Malformed
         entries raise ``ValueError`` naming the key; so does an act-order ``g_idx`` that
-        is not the in-order grouping (this layer cannot permute input channels).
+        is not the in-order grouping (a layer with out-of-order groups is stored regrouped,
+        with ``perm``: ``checkpoints/gptq.py`` makes one).
         """
-        keys = {k: prefix + k for k in ("qweight", "qzeros", "scales", "bias", "g_idx")}
+        keys = {k: prefix + k for k in ("qweight", "qzeros", "scales", "bias", "g_idx", "perm")}
         try:
             qweight, qzeros, scales = (state[keys[k]] for k in ("qweight", "qzeros", "scales"))
         except KeyError as exc:
@@ -505,14 +431,19 @@ class AWQLinear(_HoldsTensors):
             if tuple(g_idx.shape) != (K,) or not torch.equal(g_idx.to(in_order.dtype), in_order):
                 raise ValueError(f"AWQLinear.from_state_dict: {keys['g_idx']!r} assigns input channels to groups out "
                                  "of order (act-order / desc_act); AWQLinear groups them in order and cannot load it")
-        mod = cls(K, N, group_size=inferred, bias=bias is not None, dtype=scales.dtype)
+        perm = state.get(keys["perm"])
+        if perm is not None and (tuple(perm.shape) != (K,) or perm.dtype not in (torch.int32, torch.int64)
+                                 or not torch.equal(perm.sort().values.long(), torch.arange(K, device=perm.device))):
+            bad("perm", perm, f"an int32 or int64 permutation of range(K), K = {K} from 'qweight'")
+        mod = cls(K, N, group_size=inferred, bias=bias is not None, dtype=scales.dtype, act_order=perm is not None)
         mod.load_state_dict({k: v for k, v in
-                             dict(qweight=qweight, qzeros=qzeros, scales=scales, bias=bias).items()
+                             dict(qweight=qweight, qzeros=qzeros, scales=scales, bias=bias,
+                                  perm=None if perm is None else perm.long()).items()
                              if v is not None})
         return mod.to(qweight.device)
 
     def dequantized_weight(self) -> torch.Tensor:
-        """[K, N] weight in the activation dtype."""
+        """[K, N] weight in the activation dtype (rows in the stored order: see ``perm``)."""
         w = awq_unpack(self.qweight)
         z = awq_unpack(self.qzeros).repeat_interleave(self.group_size, dim=0)
         return (w - z).to(self.scales.dtype) * self.scales.repeat_interleave(self.group_size, dim=0)
@@ -522,6 +453,8 @@ class AWQLinear(_HoldsTensors):
         out_dtype = getattr(torch, self._out_dtype)  # not the property: see _dtype_attribute
         if out_dtype != compute:  # converted to a dtype the format cannot hold (see the class doc)
             x = x.to(compute)
+        if self.perm is not None:  # act-order: the input channels in the stored rows' order
+            x = x.index_select(-1, self.perm)
         if not torch.compiler.is_compiling() and calls_op_eagerly(x) and (
                 self.bias is None or self.bias.dtype == compute):
             y = self.forward_op(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
@@ -538,8 +471,8 @@ class AWQLinear(_HoldsTensors):
     def _apply(self, fn, recurse=True):
         target = _target(fn, torch.empty(0, dtype=self.out_dtype, device=self.qweight.device)).dtype
         in_format = target in (torch.float16, torch.bfloat16)
-        _apply_keeping_dtypes(self, fn, recurse, ("qweight", "qzeros") if in_format else
-                              ("qweight", "qzeros", "scales", "bias"))
+        _apply_keeping_dtypes(self, fn, recurse, ("qweight", "qzeros", "perm") if in_format else
+                              ("qweight", "qzeros", "perm", "scales", "bias"))
         if target.is_floating_point:
             self.out_dtype = target
         return self
@@ -547,123 +480,5 @@ class AWQLinear(_HoldsTensors):
     def extra_repr(self) -> str:
         out = "" if self.out_dtype == self.scales.dtype else f", out_dtype={self.out_dtype}"
         return (f"{self.in_features}, {self.out_features}, group_size={self.group_size}, "
-                f"dtype={self.scales.dtype}{out}, bias={self.bias is not None}")
-
-
-# --------------------------------------------------------------------------- model conversion
-
-
-@dataclass(frozen=True)
-class Scheme:
-    """How ``quantize_model`` quantizes each linear layer."""
-
-    kind: str  # "w8a8" or "awq"
-    weight_dtype: torch.dtype = torch.int8
-    per_channel: bool = True
-    per_token: bool = True
-    symmetric: bool = True
-    group_size: int = 128
-
-
-SCHEMES = {
-    "int8": Scheme("w8a8"),
-    "int8-asym": Scheme("w8a8", symmetric=False),
-    "int8-asym-per-tensor": Scheme("w8a8", symmetric=False, per_token=False),
-    "int8-per-tensor": Scheme("w8a8", per_channel=False, per_token=False),
-    "fp8": Scheme("w8a8", weight_dtype=torch.float8_e4m3fn, per_channel=False, per_token=False),
-    "fp8-rowwise": Scheme("w8a8", weight_dtype=torch.float8_e4m3fn),
-    "awq": Scheme("awq", group_size=128),
-    "awq-g32": Scheme("awq", group_size=32),
-    "awq-g64": Scheme("awq", group_size=64),
-    "awq-g128": Scheme("awq", group_size=128),
-    "awq-per-channel": Scheme("awq", group_size=-1),
-}
-
-
-def _replaceable_linears(module: nn.Module, skip, prefix: str = ""):
-    """(parent, attribute name, nn.Linear, qualified name) for every linear ``quantize_model`` replaces."""
-    for name, child in module.named_children():
-        if name in skip:
-            continue
-        qualified = f"{prefix}{name}"
-        if isinstance(child, nn.Linear):
-            yield module, name, child, qualified
-        else:
-            yield from _replaceable_linears(child, skip, qualified + ".")
-
-
-def _check_linear(linear: nn.Linear, scheme: Scheme) -> None:
-    """The shape checks the quantized module's constructor makes, without quantizing anything."""
-    if scheme.kind == "awq":
-        K, N = linear.in_features, linear.out_features
-        group = K if scheme.group_size in (-1, 0) else scheme.group_size
-        if group <= 0 or K % group != 0:
-            raise ValueError(f"group_size {scheme.group_size} does not divide in_features {K}")
-        if N % AWQ_PACK != 0:
-            raise ValueError(f"out_features {N} is not a multiple of {AWQ_PACK}")
-
-
-def _quantize_linear(linear: nn.Linear, scheme: Scheme, dtype) -> nn.Module:
-    out_dtype = dtype or linear.weight.dtype
-    if scheme.kind == "awq":
-        if out_dtype in (torch.float16, torch.bfloat16):
-            return AWQLinear.from_linear(linear, group_size=scheme.group_size, dtype=out_dtype)
-        # The format holds its scales in float16; in a float32 model the layer computes in float16
-        # between a cast of its input and one of its output, as after AWQLinear.float(), so that
-        # it takes and gives what its neighbours do.
-        return AWQLinear.from_linear(linear, group_size=scheme.group_size, dtype=torch.float16).to(out_dtype)
-    return W8A8Linear.from_linear(
-        linear, weight_dtype=scheme.weight_dtype, per_channel=scheme.per_channel,
-        per_token=scheme.per_token, symmetric=scheme.symmetric, out_dtype=out_dtype)
-
-
-def quantize_model(model: nn.Module, scheme, *, dtype: torch.dtype = None, skip=("lm_head",), mesh=None,
-                   tp_plan: dict | None = None) -> nn.Module:
-    """Replace every ``nn.Linear`` (except names in ``skip``) with its quantized form, in place.
-
-    ``scheme`` is a ``Scheme`` or one of ``SCHEMES``' names.  ``dtype`` is the
-    activation/output dtype (default: the linear weight's dtype).  AWQ layers of a
-    float32 model compute in float16 between casts of their input and output, so that
-    they take and give float32 like the layers around them.  Returns the model.
-
-    All or nothing: every layer is checked, then every replacement is made, and only
-    then are they swapped in, so a layer that cannot be quantized (e.g. a K that the
-    group size does not divide) raises ``ValueError`` naming it and leaves the model as
-    it was.  A linear shared by several parents gets one shared replacement.
-
-    ``mesh``: a 1-D ``DeviceMesh`` or a process group; the quantized model is then sharded over
-    it with ``compile_backend.tensor_parallel.tensor_parallel(model, mesh, tp_plan)``
-    (``tp_plan`` default: its ``LLAMA_PLAN``).  Every rank calls this on the same model.
-    """
-    if isinstance(scheme, str):
-        if scheme not in SCHEMES:
-            raise ValueError(f"quantize_model: scheme {scheme!r}; expected one of {sorted(SCHEMES)}")
-        scheme = SCHEMES[scheme]
-    plan = list(_replaceable_linears(model, skip))
-    made: dict[int, nn.Module] = {}
-    for check in (_check_linear, None):
-        for _, _, linear, qualified in plan:
-            if check is None and id(linear) in made:
-                continue
-            try:
-                if check is not None:
-                    check(linear, scheme)
-                else:
-                    made[id(linear)] = _quantize_linear(linear, scheme, dtype)
-            except ValueError as exc:
-                raise ValueError(f"quantize_model: layer {qualified!r} ({linear}): {exc}; "
-                                 "the model was left unchanged") from exc
-    for parent, name, linear, _ in plan:
-        setattr(parent, name, made[id(linear)])
-    if mesh is not None:
-        from .tensor_parallel import tensor_parallel
-
-        tensor_parallel(model, mesh, tp_plan)
-    return model
-
-
-__all__ = [
-    "AWQ_ORDER", "AWQLinear", "SCHEMES", "Scheme", "W8A8Linear", "awq_pack", "awq_unpack_values",
-    "held_tensors", "quantize_model", "quantize_weight_awq", "quantize_weight_fp8", "quantize_weight_int8",
-    "set_tensors",
-]
+                f"dtype={self.scales.dtype}{out}, bias={self.bias is not None}"
+                + (", act_order=True" if self.perm is not None else ""))

@@ -13,7 +13,7 @@ Where the kernels come from, at the first CUDA call (``ensure_loaded``):
   built in place in a source checkout, after the last change to ``csrc/``;
 * otherwise (a source checkout, a CPU wheel, another GPU) the sources are
   built with ``torch.utils.cpp_extension`` for the GPU present, cached by
-  torch under ``TORCH_EXTENSIONS_DIR``; ``python -m compile_backend.build``
+  torch under ``TORCH_EXTENSIONS_DIR``; ``python -m compile_backend.kernels.build``
   builds them ahead of the first call.  ``QUANTFUSE_JIT=1`` skips the prebuilt
   library (kernel development).
 
@@ -46,13 +46,18 @@ log = logging.getLogger("quantfuse.kernels")
 EXTENSION_NAME = "quantfuse_C"
 
 
+# compile_backend/: where a CUDA wheel's prebuilt library and the installed csrc/ copy live.
+PACKAGE_DIR = Path(__file__).resolve().parents[1]
+# A source checkout's csrc/, beside the package.
+CHECKOUT_CSRC = PACKAGE_DIR.parent / "csrc"
+
 _lock = threading.Lock()
 _state = {"status": "unloaded", "error": None, "kernels": None, "library": None}
 
 
 def csrc_dir() -> Path:
     """The kernel sources: the repository's ``csrc/`` or the copy installed in the package."""
-    for candidate in (Path(__file__).resolve().parents[1] / "csrc", Path(__file__).parent / "csrc"):
+    for candidate in (CHECKOUT_CSRC, PACKAGE_DIR / "csrc"):
         if candidate.is_dir():
             return candidate
     raise FileNotFoundError("quantfuse: no csrc/ directory next to the package")
@@ -89,7 +94,7 @@ def nvcc_flags() -> list[str]:
 
 def prebuilt_library() -> Path | None:
     """The library a CUDA wheel carries (``compile_backend/_C*.so``), or None."""
-    found = sorted(Path(__file__).parent.glob(build_config.PREBUILT_NAME + "*.so"))
+    found = sorted(PACKAGE_DIR.glob(build_config.PREBUILT_NAME + "*.so"))
     return found[0] if found else None
 
 
@@ -111,7 +116,7 @@ def prebuilt_unusable(library: Path) -> str | None:
     built_for, running = _public_version(info.get("torch", "?")), _public_version(torch.__version__)
     if built_for != running:
         return f"built against torch {built_for}, running torch {running}"
-    checkout_csrc = Path(__file__).resolve().parents[1] / "csrc"
+    checkout_csrc = CHECKOUT_CSRC
     if checkout_csrc.is_dir():  # built in place in a source checkout: stale once a source changes
         built = library.stat().st_mtime
         if any(p.stat().st_mtime > built for p in checkout_csrc.rglob("*") if p.is_file()):

@@ -1,4 +1,4 @@
-"""Build (or check) the CUDA kernels ahead of the first call: ``python -m compile_backend.build [--verbose]``.
+"""Build (or check) the CUDA kernels ahead of the first call: ``python -m compile_backend.kernels.build [--verbose]``.
 
 Where the package carries prebuilt kernels (a wheel built with
 ``QUANTFUSE_BUILD_CUDA=1``) and they serve this GPU and torch, this loads them
@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from . import kernels
+from . import loader as kernels
 
 
 def main(argv=None) -> int:

@@ -5,7 +5,7 @@ Per-token x per-channel scales + bias, bf16 out.  Median µs per call, by defaul
 replays rotating among weight copies > 2x L2 (--timer flush: do_bench's L2 flush; see
 benchmarks/timing.py); DRAM fraction = (weight + activation + output bytes) / copy bandwidth / time.
 
-    python benchmarks/bench_scaled_mm_decode.py [--ms 1,8,16] [--out DIR]
+    python benchmarks/dev/bench_scaled_mm_decode.py [--ms 1,8,16] [--out DIR]
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from pathlib import Path
 
 import torch
 
+# The repository root, and benchmarks/ for timing.py (this probe lives in benchmarks/dev/).
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from timing import copies_for, copy_bandwidth, flushed, load_kernels, rotating  # noqa: E402
 

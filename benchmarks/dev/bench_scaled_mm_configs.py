@@ -5,7 +5,7 @@ per-channel + bias, bf16 out, next to torch._scaled_mm (fp8) in the same run.  W
 choice (choose_config) should pick comes from here.  Median µs per call over CUDA-graph replays
 rotating among input copies > 2x L2 (benchmarks/timing.py).
 
-    python benchmarks/bench_scaled_mm_configs.py [--ms 128,256,512,1024,8192] [--out DIR]
+    python benchmarks/dev/bench_scaled_mm_configs.py [--ms 128,256,512,1024,8192] [--out DIR]
         [--configs 0,1,2,3] [--swizzles 0] [--rasters 0] [--dtypes int8,fp8]
 
 --swizzles / --rasters also sweep the persistent tile scheduler's raster swizzle (1, 2, 4, 8;
@@ -23,8 +23,9 @@ from pathlib import Path
 
 import torch
 
+# The repository root, and benchmarks/ for timing.py (this probe lives in benchmarks/dev/).
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from timing import copies_for, load_kernels, rotating  # noqa: E402
 

@@ -19,7 +19,7 @@ import weakref
 
 import torch
 
-from compile_backend import kernels
+from ..kernels import loader as kernels
 
 _graph_ids = itertools.count(1)
 

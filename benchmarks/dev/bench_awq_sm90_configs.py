@@ -1,7 +1,7 @@
 """The AWQ SM90 prefill kernel's tile configurations, each forced, against fp16 cuBLAS.
 
-    python benchmarks/bench_awq_sm90_configs.py [--ms 192,256,...] [--configs 0,1,...] [--repeats 2]
-                                                [--shapes 4096x14336,...] [--fresh-x]
+    python benchmarks/dev/bench_awq_sm90_configs.py [--ms 192,256,...] [--configs 0,1,...] [--repeats 2]
+                                                    [--shapes 4096x14336,...] [--fresh-x]
 
 One line per (shape, M): the kernel's own choice ("auto"), each configuration forced through
 ``_awq_gemm_sm90_cuda(..., config=c)`` on the weight prepared once (``_awq_prepare_sm90_cuda``),
@@ -25,8 +25,10 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# benchmarks/ for bench_awq.py and timing.py (this probe lives in benchmarks/dev/), and the repository root.
+BENCHMARKS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, BENCHMARKS)
+sys.path.insert(0, os.path.dirname(BENCHMARKS))
 
 from bench_awq import DEV, SHAPES, G, make_set, weight_bytes  # noqa: E402
 from timing import copies_for, load_kernels, rotating  # noqa: E402

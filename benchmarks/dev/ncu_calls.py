@@ -2,14 +2,15 @@
 Nsight Compute to profile (the figures behind the missed targets in RESULTS.md):
 
     ncu --nvtx --nvtx-include "ours/" --nvtx-include "baseline/" --section SpeedOfLight ... \\
-        python benchmarks/ncu_calls.py w8a8 N K M {int8,fp8}
-    ncu ... python benchmarks/ncu_calls.py w8a8_azp N K M
-    ncu ... python benchmarks/ncu_calls.py awq N K M
+        python benchmarks/dev/ncu_calls.py w8a8 N K M {int8,fp8}
+    ncu ... python benchmarks/dev/ncu_calls.py w8a8_azp N K M
+    ncu ... python benchmarks/dev/ncu_calls.py awq N K M
 
-w8a8: ``ops.scaled_mm`` (per-token x per-channel + bias, bf16 out; the decode kernel at M <= 16,
-CUTLASS above) against ``torch._scaled_mm`` (fp8) or ``torch._int_mm`` (int8).  w8a8_azp: ``ops.scaled_mm_azp`` (int8,
-per-token zero points) against the symmetric ``ops.scaled_mm``.  awq:
-``ops.awq_gemm`` (fp16, group 128) against fp16 cuBLAS on the dequantized weight.
+w8a8: ``quantfuse::scaled_mm`` (per-token x per-channel + bias, bf16 out; the decode kernel at
+M <= 16, CUTLASS above) against ``torch._scaled_mm`` (fp8) or ``torch._int_mm`` (int8).  w8a8_azp:
+``quantfuse::scaled_mm_azp`` (int8, per-token zero points) against the symmetric
+``quantfuse::scaled_mm``.  awq: ``quantfuse::awq_gemm`` (fp16, group 128) against fp16 cuBLAS on
+the dequantized weight.
 """
 
 from __future__ import annotations
@@ -19,11 +20,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root (benchmarks/dev/../..)
 
 
 def w8a8(N: int, K: int, M: int, dtype: str):
-    from compile_backend import ops
 
     def rand(shape):
         if dtype == "int8":
@@ -34,7 +34,7 @@ def w8a8(N: int, K: int, M: int, dtype: str):
     sa = torch.rand(M, 1, device="cuda") * 1e-2 + 1e-3
     sb = torch.rand(1, N, device="cuda") * 1e-2 + 1e-3
     bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
-    ours = lambda: ops.scaled_mm(a, b, sa, sb, torch.bfloat16, bias)  # noqa: E731
+    ours = lambda: torch.ops.quantfuse.scaled_mm(a, b, sa, sb, torch.bfloat16, bias)  # noqa: E731
     if dtype == "fp8":
         base = lambda: torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, bias=bias,  # noqa: E731
                                         out_dtype=torch.bfloat16)
@@ -46,7 +46,6 @@ def w8a8(N: int, K: int, M: int, dtype: str):
 
 def w8a8_azp(N: int, K: int, M: int):
     """int8 with per-token zero points (ours) against the symmetric op (baseline)."""
-    from compile_backend import ops
 
     a = torch.randint(-128, 128, (M, K), dtype=torch.int8, device="cuda")
     w = torch.randint(-128, 128, (N, K), dtype=torch.int8, device="cuda")
@@ -55,21 +54,20 @@ def w8a8_azp(N: int, K: int, M: int):
     bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
     colsum = w.to(torch.int32).sum(1, dtype=torch.int32)
     azp = torch.randint(-50, 50, (M,), dtype=torch.int32, device="cuda")
-    ours = lambda: ops.scaled_mm_azp(a, w.t(), sa, sb, torch.bfloat16, colsum, azp, bias)  # noqa: E731
-    base = lambda: ops.scaled_mm(a, w.t(), sa, sb, torch.bfloat16, bias)  # noqa: E731
+    ours = lambda: torch.ops.quantfuse.scaled_mm_azp(a, w.t(), sa, sb, torch.bfloat16, colsum, azp, bias)  # noqa: E731
+    base = lambda: torch.ops.quantfuse.scaled_mm(a, w.t(), sa, sb, torch.bfloat16, bias)  # noqa: E731
     return ours, base
 
 
 def awq(N: int, K: int, M: int):
-    from compile_backend import ops
 
     G = 128
     x = torch.randn(M, K, device="cuda", dtype=torch.float16)
     qweight = torch.randint(-(2**31), 2**31 - 1, (K, N // 8), dtype=torch.int32, device="cuda")
     qzeros = torch.randint(-(2**31), 2**31 - 1, (K // G, N // 8), dtype=torch.int32, device="cuda")
     scales = (torch.rand(K // G, N, device="cuda") * 1e-2 + 1e-3).to(torch.float16)
-    dense = ops.awq_dequantize(qweight, scales, qzeros, G)
-    ours = lambda: ops.awq_gemm(x, qweight, scales, qzeros, G)  # noqa: E731
+    dense = torch.ops.quantfuse.awq_dequantize(qweight, scales, qzeros, G)
+    ours = lambda: torch.ops.quantfuse.awq_gemm(x, qweight, scales, qzeros, G)  # noqa: E731
     base = lambda: x @ dense  # noqa: E731
     return ours, base
 

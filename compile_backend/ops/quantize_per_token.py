@@ -17,7 +17,7 @@ per-token activations:
 ``W8A8Linear.quantize_input`` writes this rule in torch ops (``activation_params`` and
 ``quantize_with`` below): that form is what a compiled graph holds, and Inductor fuses it into
 the kernels around the matmul.  In eager CUDA inference the layer calls the op instead
-(``quantize.calls_op_eagerly``): the form there is a chain of 8 (fp8) to 17 (asymmetric int8)
+(``quantize.modules.calls_op_eagerly``): the form there is a chain of 8 (fp8) to 17 (asymmetric int8)
 element-wise kernels and reductions over ``[M, K]`` float32 temporaries, the op one kernel that
 reads ``x`` twice (the second time from L2) and writes ``q``.  Its CUDA implementation
 (csrc/quantize_per_token/) gives bit for bit what the form gives on CUDA, where torch computes
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from . import ops
+from .library import define_op, fail
 
 INT8_MAX = 127
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
@@ -65,11 +65,11 @@ def quantize_with(xf: torch.Tensor, scale: torch.Tensor, zero_point, qdtype: tor
 def _check(x, qdtype, symmetric) -> None:
     op = "quantize_per_token"
     if x.dtype not in X_DTYPES or x.dim() != 2 or x.shape[1] == 0:
-        ops._fail(op, "x", x, "a 2-D float16, bfloat16 or float32 tensor [M, K] with K >= 1")
+        fail(op, "x", x, "a 2-D float16, bfloat16 or float32 tensor [M, K] with K >= 1")
     if qdtype not in QDTYPES:
-        ops._fail(op, "qdtype", qdtype, "torch.int8 or torch.float8_e4m3fn")
+        fail(op, "qdtype", qdtype, "torch.int8 or torch.float8_e4m3fn")
     if not symmetric and qdtype != torch.int8:
-        ops._fail(op, "symmetric", symmetric, "True for float8_e4m3fn (zero points apply to int8 only)")
+        fail(op, "symmetric", symmetric, "True for float8_e4m3fn (zero points apply to int8 only)")
 
 
 def reference(x: torch.Tensor, qdtype: torch.dtype, symmetric: bool = True):
@@ -87,16 +87,8 @@ def _fake(x, qdtype, symmetric=True):
             x.new_empty((M, 1), dtype=torch.float32))
 
 
-_lib = torch.library.Library(ops.NAMESPACE, "FRAGMENT")
-_lib.define("quantize_per_token(Tensor x, ScalarType qdtype, bool symmetric=True) -> (Tensor, Tensor, Tensor)")
-_lib.impl("quantize_per_token", reference, "CompositeExplicitAutograd")
-torch.library.register_fake("quantfuse::quantize_per_token", _fake, lib=_lib)
+SCHEMA = "quantize_per_token(Tensor x, ScalarType qdtype, bool symmetric=True) -> (Tensor, Tensor, Tensor)"
+
 # On CUDA the kernels' library runs it (csrc/quantize_per_token/quantize_per_token_dispatch.cpp);
 # for inputs its kernel does not take, this reference runs and logs why.
-_lib.define("_quantize_per_token_reference(Tensor x, ScalarType qdtype, bool symmetric, str reason) "
-            "-> (Tensor, Tensor, Tensor)")
-_lib.impl("_quantize_per_token_reference", ops.logged_reference("quantize_per_token", reference),
-          "CompositeExplicitAutograd")
-ops.add_cuda_bootstrap("quantize_per_token", reference)
-
-quantize_per_token = torch.ops.quantfuse.quantize_per_token
+quantize_per_token = define_op(SCHEMA, reference, _fake, fixed_strides=False)

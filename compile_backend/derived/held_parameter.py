@@ -34,6 +34,8 @@ import torch
 from torch import nn
 from torch.fx.experimental import proxy_tensor as _proxy_tensor
 
+from . import freed_weights
+
 
 class HeldParameter(nn.Parameter):
     """An ``nn.Parameter`` whose ``.data`` shares its version counter (see the module doc)."""
@@ -54,9 +56,7 @@ class HeldParameter(nn.Parameter):
     @data.setter
     def data(self, value: torch.Tensor) -> None:
         torch._C.TensorBase.data.__set__(self, value)
-        # Now perhaps a CUDA weight that values may be derived from (compile_backend/freed_weights.py).
-        from compile_backend import freed_weights
-
+        # Now perhaps a CUDA weight that values may be derived from (freed_weights.py).
         freed_weights.watch((self,))
 
     def __reduce_ex__(self, proto):

@@ -1,0 +1,198 @@
+"""GPTQ checkpoints (``quant_method: gptq``): AutoGPTQ's, GPTQModel's and transformers' 4-bit format -> ``AWQLinear``.
+
+``quantization_config``: ``{"quant_method": "gptq", "bits": 4, "group_size": G, "desc_act": ..., "sym": ...,
+"checkpoint_format": "gptq" | "gptq_v2"}`` (transformers' ``GPTQConfig`` writes ``format`` and the legacy
+``checkpoint_format``, which wins where both are given, as in ``GPTQConfig.__init__``; absent, ``gptq``).
+Each quantized linear (``K`` inputs, ``N`` outputs, ``G = K`` for ``group_size: -1``) stores
+
+* ``qweight`` ``[K/8, N]`` int32: eight 4-bit values along K per word, row ``8r + j`` of the weight in
+  bits ``4j .. 4j+3`` of ``qweight[r]`` (lowest nibble first);
+* ``qzeros`` ``[K/G, N/8]`` int32: eight zero points along N per word, column ``8c + j`` in bits ``4j``;
+* ``scales`` ``[K/G, N]`` (float16, or bfloat16);
+* ``g_idx`` ``[K]`` int32: each input channel's group;
+* ``bias`` ``[N]`` when the layer has one,
+
+and ``W[k, n] = (q[k, n] - z[g_idx[k], n]) * s[g_idx[k], n]`` (``Y = X W + bias``): AWQ's arithmetic in
+another packing.  The ``gptq`` (v1) format stores each zero-point word minus ``0x11111111`` (every zero
+point minus one, computed on the whole int32 word, so a zero point of 0 borrows from the next nibble);
+``gptq_v2`` stores them as they are.  ``sym`` only says how the zero points were chosen (all ``2^(bits-1)``);
+the stored ones are loaded either way.
+
+What this relies on (GPTQModel, github.com/ModelCloud/GPTQModel, the loader transformers uses):
+``gptqmodel/nn_modules/qlinear/__init__.py``, ``PackableQuantLinear.pack_original`` (``qweight[row] |=
+int_weight[row * pack_factor + j] << (bits * j)``; ``qzeros[:, col] |= zeros[:, col * pack_factor + j] <<
+(bits * j)``) and ``dequantize_weight`` (``scales[g_idx] * (weight - zeros[g_idx])``, v2 zero points);
+``gptqmodel/utils/model.py``, ``convert_gptq_v1_to_v2_format_module`` (4-bit, int32 words:
+``qzeros += 0b00010001000100010001000100010001``, the inverse of ``convert_gptq_v2_to_v1_format_module``'s
+``-=``, which writes v1 checkpoints).  transformers' ``GPTQConfig`` for the config keys.
+
+Loading repacks each layer once into ``AWQLinear``'s layout (``qweight [K, N/8]`` and ``qzeros
+[K/G, N/8]`` in AWQ bit order, ``scales [K/G, N]``) and keeps nothing else.  Act-order (``desc_act``:
+``g_idx`` not ``k // G``, so a group's channels are scattered over K): the weight's rows are sorted by
+group (stably) so that groups are contiguous, and the layer holds the order as ``perm``; its forward
+gathers the activation to match (``AWQLinear``'s class doc).  Any ``g_idx`` that puts ``G`` channels in
+each group loads; a ``g_idx`` equal to ``k // G`` (``desc_act`` false, or ``static_groups``) keeps no
+``perm``; layers with the same order share one ``perm`` tensor (``GPTQFormat.shared_perm``).
+
+Refused with ``UnsupportedCheckpointError`` naming the config key and the scheme: 2-, 3- and other-bit
+GPTQ, 8-bit GPTQ (with groups; asymmetric; and per-channel symmetric, the int8 weight-only (W8A16) form
+the ``w8a16_gemm`` pass fuses, because quantfuse has no module that holds W8A16 weights for the loader
+to load them into), other checkpoint formats (``marlin``, ``bitblas``, ...), packing words other than
+int32, GPTQModel's per-module ``dynamic`` overrides.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..quantize.modules import AWQLinear, set_tensors
+from ..quantize.weights import awq_pack
+from .common import LayerPlan, UnsupportedCheckpointError, check_tensor, unsupported
+from .pack_quantized import unpack_rows
+
+LAYER_TENSORS = {"qweight", "qzeros", "scales", "g_idx", "bias"}
+HALF = (torch.float16, torch.bfloat16)
+FORMATS = ("gptq", "gptq_v2")
+V1_ZERO_OFFSET = 0x11111111  # one per nibble of a 4-bit zero-point word (v1 = v2 - this, word-wise)
+
+
+def v1_to_v2_zeros(qzeros: torch.Tensor) -> torch.Tensor:
+    """v1 zero-point words -> v2 ones: ``+ 0x11111111`` on the unsigned 32-bit word, as GPTQModel does
+    (``[R, N/8]`` int32 -> int64 holding the unsigned words)."""
+    return (qzeros.to(torch.int64) + V1_ZERO_OFFSET) & 0xFFFFFFFF
+
+
+def regroup(g_idx: torch.Tensor, group: int) -> torch.Tensor | None:
+    """The order of input channels that makes groups contiguous (``g_idx`` sorted, stably), or None
+    when they already are (``g_idx[k] == k // group``).  ``ValueError`` when some group does not
+    hold exactly ``group`` channels (no contiguous layout serves that)."""
+    K = g_idx.shape[0]
+    in_order = torch.arange(K, device=g_idx.device) // group
+    g = g_idx.to(torch.int64)
+    if torch.equal(g, in_order):
+        return None
+    counts = torch.bincount(g, minlength=K // group)
+    if counts.shape[0] != K // group or not bool((counts == group).all()):
+        bad = int((counts != group).nonzero()[0, 0])
+        raise ValueError(f"puts {int(counts[bad])} input channels in group {bad}; every group must hold "
+                         f"group_size = {group} of them")
+    return torch.sort(g, stable=True).indices
+
+
+class GPTQFormat:
+    """Reads one ``quantization_config`` of ``quant_method: gptq``."""
+
+    method = "gptq"
+
+    def __init__(self, qcfg: dict):
+        def no(key, value, scheme):
+            unsupported("quantization_config", key, value, scheme)
+
+        group = qcfg.get("group_size", 128)
+        if isinstance(group, bool) or not isinstance(group, int) or not (group > 0 or group == -1):
+            no("group_size", group, "this group size (expected a positive integer or -1)")
+        sym = qcfg.get("sym", True)
+        where_g = "per-channel (group_size -1)" if group == -1 else f"group size {group}"
+        bits = qcfg.get("bits")
+        if isinstance(bits, bool) or not isinstance(bits, int):
+            no("bits", bits, "a GPTQ config without an integer bit width")
+        if bits == 8:
+            if group != -1:
+                no("bits", bits, f"8-bit GPTQ with {where_g} (int8 weight-only takes one scale per output channel)")
+            if not sym:
+                no("bits", bits, "8-bit GPTQ, per-channel asymmetric (int8 weight-only has no zero point)")
+            no("bits", bits, "8-bit GPTQ, per-channel symmetric: int8 weight-only (W8A16), which the w8a16_gemm "
+                             "pass fuses from F.linear(x, w_q.to(dtype) * scale[:, None], bias), but quantfuse has "
+                             "no module holding W8A16 weights for from_pretrained to load it into")
+        if bits != 4:
+            no("bits", bits, f"{bits}-bit GPTQ with {where_g} (only 4-bit GPTQ loads)")
+        fmt = qcfg.get("checkpoint_format") or qcfg.get("format") or "gptq"
+        fmt = fmt.lower() if isinstance(fmt, str) else fmt
+        key = "checkpoint_format" if qcfg.get("checkpoint_format") else "format"
+        if fmt not in FORMATS:
+            no(key, fmt, f"the GPTQ {fmt!r} weight layout (only 'gptq' and 'gptq_v2')")
+        pack = qcfg.get("pack_dtype", "int32")
+        if str(pack).removeprefix("torch.") != "int32":
+            no("pack_dtype", pack, "GPTQ packed in words other than int32")
+        if qcfg.get("dynamic"):
+            no("dynamic", qcfg["dynamic"], "per-module quantization overrides (GPTQModel's dynamic)")
+        self.group_size, self.v1, self.sym = group, fmt == "gptq", bool(sym)
+        self.desc_act = bool(qcfg.get("desc_act", False))
+        self.format = fmt
+        self._perms: dict[bytes, torch.Tensor] = {}  # see shared_perm
+
+    def shared_perm(self, module: AWQLinear) -> AWQLinear:
+        """Layers whose act-order is the same (GPTQ gives q/k/v, and gate/up, one order: they read
+        the same activations) hold one ``perm`` tensor: the compiled graph then gathers their shared
+        input once, and ``passes/horizontal.py`` can merge their ops as it does without act-order."""
+        if module.perm is None:
+            return module
+        key = module.perm.detach().cpu().numpy().tobytes() + str(module.perm.device).encode()
+        held = self._perms.setdefault(key, module.perm)
+        return module if held is module.perm else set_tensors(module, perm=held)
+
+    def skipped_keys(self, keys) -> set[str]:
+        return set()
+
+    def plan(self, name: str, linear: nn.Linear, tensors: dict[str, str], dtype: torch.dtype) -> LayerPlan | None:
+        if "qweight" not in tensors:
+            return None
+        for suffix in sorted(set(tensors) - LAYER_TENSORS):
+            raise UnsupportedCheckpointError(
+                f"checkpoint tensor {tensors[suffix]!r}: a GPTQ layer holds only {sorted(LAYER_TENSORS)}")
+        for suffix in ("qzeros", "scales"):
+            if suffix not in tensors:
+                raise UnsupportedCheckpointError(f"checkpoint tensor {name}.{suffix} is missing (GPTQ layer {name!r})")
+        if self.desc_act and "g_idx" not in tensors:
+            raise UnsupportedCheckpointError(f"checkpoint tensor {name}.g_idx is missing: quantization_config.desc_act "
+                                             "= True (act-order) needs each layer's input channel groups")
+        K, N = linear.in_features, linear.out_features
+        group = K if self.group_size == -1 else self.group_size
+        if K % 8 or N % 8:
+            raise UnsupportedCheckpointError(f"{name}: {K} -> {N} layer; 4-bit GPTQ here needs K and N multiples of 8")
+        if K % group:
+            unsupported("quantization_config", "group_size", self.group_size,
+                        f"a group size that does not divide {name}'s K = {K}")
+        act = dtype if dtype in HALF else torch.float16
+        with torch.device("meta"):
+            placeholder = AWQLinear(K, N, group_size=group, bias="bias" in tensors, dtype=act)
+
+        def load(t: dict[str, torch.Tensor]) -> nn.Module:
+            qweight = check_tensor(tensors["qweight"], t["qweight"], dtypes=(torch.int32,), shapes=[(K // 8, N)])
+            qzeros = check_tensor(tensors["qzeros"], t["qzeros"], dtypes=(torch.int32,), shapes=[(K // group, N // 8)])
+            scales = check_tensor(tensors["scales"], t["scales"], dtypes=(*HALF, torch.float32),
+                                  shapes=[(K // group, N)])
+            if scales.dtype not in HALF:
+                if dtype not in HALF:
+                    raise UnsupportedCheckpointError(
+                        f"checkpoint tensor {tensors['scales']!r} is {scales.dtype}; AWQLinear holds float16 or "
+                        "bfloat16 scales: pass dtype=torch.float16 or torch.bfloat16 to round them to it")
+                scales = scales.to(dtype)
+            q = unpack_rows(qweight.t().contiguous()).t()  # [K, N]: row 8r + j from bits 4j of qweight[r]
+            z = unpack_rows(v1_to_v2_zeros(qzeros) if self.v1 else qzeros)  # [K/G, N]
+            perm = None
+            if "g_idx" in t:
+                g_idx = check_tensor(tensors["g_idx"], t["g_idx"], dtypes=(torch.int32, torch.int64), shapes=[(K,)])
+                if g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= K // group):
+                    raise UnsupportedCheckpointError(
+                        f"checkpoint tensor {tensors['g_idx']!r} holds group indices outside [0, {K // group})")
+                try:
+                    perm = regroup(g_idx, group)
+                except ValueError as exc:
+                    raise UnsupportedCheckpointError(f"checkpoint tensor {tensors['g_idx']!r} {exc}") from None
+            if perm is not None:
+                q = q.index_select(0, perm)
+            state = {"qweight": awq_pack(q), "qzeros": awq_pack(z), "scales": scales.contiguous(), "perm": perm}
+            if "bias" in t:
+                state["bias"] = t["bias"].to(scales.dtype)
+            try:
+                module = AWQLinear.from_state_dict({k: v for k, v in state.items() if v is not None}, group_size=group)
+            except (KeyError, ValueError) as exc:
+                raise UnsupportedCheckpointError(f"GPTQ layer {name!r}: {exc}") from None
+            return self.shared_perm(module.to(dtype))
+
+        sym = "symmetric" if self.sym else "asymmetric"
+        act_order = ", act-order" if self.desc_act else ""
+        desc = f"GPTQ ({self.format}) 4-bit {sym}, group size {group}{act_order} (as AWQ)"
+        return LayerPlan(name, desc, tuple(tensors.values()), placeholder, load)
