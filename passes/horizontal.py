@@ -24,12 +24,13 @@ What a family's operands are is declared in ``MERGEABLE``, one ``Operand`` role 
 
 The concatenations are ``quantfuse::concat_weights`` nodes.  Their values derive from weights
 only: the op makes them once and serves them from the derived-value cache (CUDA: C++,
-``csrc/common/concat_weights.cpp``; CPU: ``ops._concat_cache``), made again after a part
+``csrc/common/concat_weights.cpp``; CPU: ``ops/concat_weights.py``), made again after a part
 changes in place (``copy_``, ``load_state_dict``), never in a CUDA graph's pool.  The cached
 tensor itself comes back, so Inductor must never hand its memory to another buffer once the
 merged op has read it: the op gets a lowering (``_register_lowering``) that marks its output
 never to be reused.  Values the kernels derive in turn (the AWQ repack, column sums) are
-cached against the concatenated tensor, whose address is stable.
+cached against the concatenated tensor, whose address is stable.  Parts stored side by side in
+one tensor (``quantize/merged.py``) are not copied on CUDA: the op reads that tensor in place.
 
 Members are not merged (the group is reported with the reason) when a weight-side operand is
 computed in the graph rather than read from a graph input (concatenating it would copy it on

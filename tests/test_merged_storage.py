@@ -101,6 +101,8 @@ def test_views_keep_the_documented_format_and_writes_reach_the_merged_tensor():
     assert state.keys() == expected.keys()
     for k in state:
         assert torch.equal(state[k], expected[k]), k
+        # What savers take: contiguous tensors of their own (safetensors refuses shared memory).
+        assert state[k].is_contiguous() and state[k].untyped_storage().nbytes() == state[k].nbytes, k
     attn = _layer(model).attn
     weights = lambda: [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]  # noqa: E731
     merged_before = adjacent_view(weights(), 0)
@@ -122,6 +124,21 @@ def test_compiled_model_reads_writes_to_one_projection():
         v = _layer(model).attn.v_proj.weight
         v.copy_(torch.randint(-127, 127, v.shape, dtype=torch.int8))
         torch.testing.assert_close(compiled(tokens), model(tokens), rtol=2e-3, atol=2e-3)
+
+
+def test_state_dict_of_merged_awq_layers_saves_with_safetensors(tmp_path):
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    model, _ = _model("awq-g32", seed=4)
+    assert not _layer(model).attn.k_proj.qweight.is_contiguous()  # a column slice of the merged tensor
+    state = model.state_dict()
+    safetensors_torch.save_file(state, str(tmp_path / "m.safetensors"))
+    loaded = safetensors_torch.load_file(str(tmp_path / "m.safetensors"))
+    assert all(torch.equal(loaded[k], state[k]) for k in state)
+    fresh, _ = _model("awq-g32", seed=5)
+    fresh.load_state_dict(loaded)
+    attn = _layer(fresh).attn
+    assert adjacent_view([attn.q_proj.qweight, attn.k_proj.qweight, attn.v_proj.qweight], 1) is not None
+    assert torch.equal(attn.k_proj.qweight, state["layers.0.attn.k_proj.qweight"])
 
 
 def test_merging_again_after_a_move_and_awq_modules_compute_the_same():

@@ -1,7 +1,8 @@
 """``quantize_model``: every ``nn.Linear`` of a model swapped for its quantized form.
 
 The schemes (``SCHEMES``) name how each linear is quantized; the replacement is round-to-nearest
-(``weights.py``) into the modules of ``modules.py``.
+(``weights.py``) into the modules of ``modules.py``, after, for AWQ schemes given calibration data,
+the activation-aware search of ``awq_search.py``.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ import torch
 from torch import nn
 
 from ..ops.awq_gemm import AWQ_PACK
+from .awq_search import AWQSearchResult, InputScaled, awq_search
 from .merged import share_input_storage
 from .modules import AWQLinear, W8A8Linear
+from .weights import _awq_groups
 
 
 @dataclass(frozen=True)
@@ -66,22 +69,55 @@ def _check_linear(linear: nn.Linear, scheme: Scheme) -> None:
             raise ValueError(f"out_features {N} is not a multiple of {AWQ_PACK}")
 
 
-def _quantize_linear(linear: nn.Linear, scheme: Scheme, dtype) -> nn.Module:
+def _awq_dtype(linear: nn.Linear, dtype) -> torch.dtype:
+    """The dtype of an AWQ layer's scales (and computation): the activation dtype where the format
+    holds it, else float16 (see ``_quantize_linear``)."""
+    out_dtype = dtype or linear.weight.dtype
+    return out_dtype if out_dtype in (torch.float16, torch.bfloat16) else torch.float16
+
+
+def _searched(linear: nn.Linear, scheme: Scheme, search: AWQSearchResult | None):
+    """``(linear to quantize, 1/s or None)``: with an AWQ search's clip the weight clamped per group,
+    and with a scale to apply on the activation ``W·s`` (see ``awq_search.py``)."""
+    clip = None if search is None else search.clip.get(id(linear))
+    s = None if search is None else search.input_scale.get(id(linear))
+    if clip is None and s is None:
+        return linear, None
+    w = linear.weight.detach().to(torch.float32)
+    if s is not None:
+        w = w * s.to(w.device)
+    if clip is not None:
+        group = w.shape[1] if scheme.group_size in (-1, 0) else scheme.group_size
+        w = _awq_groups(w, group, clip, "quantize_model").reshape(w.shape)
+    src = torch.nn.utils.skip_init(nn.Linear, linear.in_features, linear.out_features, bias=linear.bias is not None,
+                                   device=w.device, dtype=torch.float32)
+    with torch.no_grad():
+        src.weight.copy_(w)
+        if linear.bias is not None:
+            src.bias.copy_(linear.bias)
+    return src, None if s is None else (1 / s).to(device=w.device, dtype=linear.weight.dtype)
+
+
+def _quantize_linear(linear: nn.Linear, scheme: Scheme, dtype, search: AWQSearchResult | None = None) -> nn.Module:
     out_dtype = dtype or linear.weight.dtype
     if scheme.kind == "awq":
-        if out_dtype in (torch.float16, torch.bfloat16):
-            return AWQLinear.from_linear(linear, group_size=scheme.group_size, dtype=out_dtype)
+        src, input_scale = _searched(linear, scheme, search)
+        scales_dtype = _awq_dtype(linear, dtype)
         # The format holds its scales in float16; in a float32 model the layer computes in float16
         # between a cast of its input and one of its output, as after AWQLinear.float(), so that
         # it takes and gives what its neighbours do.
-        return AWQLinear.from_linear(linear, group_size=scheme.group_size, dtype=torch.float16).to(out_dtype)
+        layer = AWQLinear.from_linear(src, group_size=scheme.group_size, dtype=scales_dtype)
+        if scales_dtype != out_dtype:
+            layer = layer.to(out_dtype)
+        return layer if input_scale is None else InputScaled(layer, input_scale)
     return W8A8Linear.from_linear(
         linear, weight_dtype=scheme.weight_dtype, per_channel=scheme.per_channel,
         per_token=scheme.per_token, symmetric=scheme.symmetric, out_dtype=out_dtype)
 
 
 def quantize_model(model: nn.Module, scheme, *, dtype: torch.dtype = None, skip=("lm_head",), mesh=None,
-                   tp_plan: dict | None = None) -> nn.Module:
+                   tp_plan: dict | None = None, calibration=None, tokenizer=None, progress: bool = True,
+                   awq_options: dict | None = None) -> nn.Module:
     """Replace every ``nn.Linear`` (except names in ``skip``) with its quantized form, in place.
 
     ``scheme`` is a ``Scheme`` or one of ``SCHEMES``' names.  ``dtype`` is the
@@ -93,6 +129,18 @@ def quantize_model(model: nn.Module, scheme, *, dtype: torch.dtype = None, skip=
     then are they swapped in, so a layer that cannot be quantized (e.g. a K that the
     group size does not divide) raises ``ValueError`` naming it and leaves the model as
     it was.  A linear shared by several parents gets one shared replacement.
+
+    AWQ schemes (``"awq-g32"``, ``"awq-g64"``, ...) are round-to-nearest unless ``calibration`` is
+    given: then the activation-aware search runs first (``awq_search.py``: per-input-channel scales
+    from the calibration activations, searched by each layer's quantized output error and folded
+    into the RMSNorm or linear before it, then a search over weight clipping), on the float model,
+    in place.  ``calibration``: token ids (a ``[S]`` or ``[B, S]`` tensor, or a list of them; each
+    tensor is one call of ``model(ids)``), or a string or list of strings tokenized with
+    ``tokenizer`` (e.g. a transformers tokenizer); a few hundred to a few thousand tokens of text
+    like the model's use.  ``progress``: one line per decoder layer on stderr during the search;
+    ``awq_options``: keyword arguments of ``awq_search`` (``n_grid``, ``max_tokens``, ``clip``,
+    ...).  The search only rescales weights (the float model's function is kept) before the
+    replacement; calibration with a W8A8 scheme raises ``ValueError``.
 
     ``mesh``: a 1-D ``DeviceMesh`` or a process group; the quantized model is then sharded over
     it with ``compile_backend.tensor_parallel.tensor_parallel(model, mesh, tp_plan)``
@@ -109,9 +157,20 @@ def quantize_model(model: nn.Module, scheme, *, dtype: torch.dtype = None, skip=
         if scheme not in SCHEMES:
             raise ValueError(f"quantize_model: scheme {scheme!r}; expected one of {sorted(SCHEMES)}")
         scheme = SCHEMES[scheme]
+    if calibration is not None and scheme.kind != "awq":
+        raise ValueError(f"quantize_model: calibration data is for AWQ schemes (the activation-aware search); "
+                         f"scheme {scheme} quantizes without it")
     plan = list(_replaceable_linears(model, skip))
     made: dict[int, nn.Module] = {}
-    for check in (_check_linear, None):
+    search = None
+    for check in (_check_linear, "search", None):
+        if check == "search":
+            if calibration is not None:
+                linears = list({id(linear): (qualified, linear) for _, _, linear, qualified in plan}.values())
+                search = awq_search(model, calibration, linears, scheme.group_size,
+                                    dtype=_awq_dtype(linears[0][1], dtype) if linears else torch.float16,
+                                    tokenizer=tokenizer, progress=progress, **(awq_options or {}))
+            continue
         for _, _, linear, qualified in plan:
             if check is None and id(linear) in made:
                 continue
@@ -119,7 +178,7 @@ def quantize_model(model: nn.Module, scheme, *, dtype: torch.dtype = None, skip=
                 if check is not None:
                     check(linear, scheme)
                 else:
-                    made[id(linear)] = _quantize_linear(linear, scheme, dtype)
+                    made[id(linear)] = _quantize_linear(linear, scheme, dtype, search)
             except ValueError as exc:
                 raise ValueError(f"quantize_model: layer {qualified!r} ({linear}): {exc}; "
                                  "the model was left unchanged") from exc

@@ -82,6 +82,11 @@ def held_tensors(module: nn.Module) -> dict[str, torch.Tensor | None]:
     return dict(module._parameters)
 
 
+def _is_view_of_more(t: torch.Tensor) -> bool:
+    """``t`` covers less than its storage, or not contiguously."""
+    return not t.is_contiguous() or t.untyped_storage().nbytes() != t.numel() * t.element_size()
+
+
 class _HoldsTensors(nn.Module):
     """Assigning any tensor to a held name (``layer.scales = t``) stores it as a frozen
     ``HeldParameter``; ``load_state_dict`` keeps the class (``assign=True`` and swapping put
@@ -99,6 +104,19 @@ class _HoldsTensors(nn.Module):
             super()._load_from_state_dict(*args, **kwargs)
         finally:
             _keep_held(self, before)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        # A tensor stored as a view of a merged one (the projections that share an input:
+        # merged.py) goes out as a contiguous tensor of its own, the documented format: savers
+        # refuse tensors that share memory (safetensors) or are not contiguous.  Costs a copy of
+        # those tensors while the state dict is held.
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if keep_vars:
+            return
+        for name, t in self._parameters.items():
+            key = prefix + name
+            if t is not None and key in destination and _is_view_of_more(t):
+                destination[key] = destination[key].clone(memory_format=torch.contiguous_format)
 
 
 def _dtype_attribute(name: str, doc: str) -> property:
