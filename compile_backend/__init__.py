@@ -13,9 +13,10 @@ from . import (  # noqa: F401  (imported for their registrations)
 )
 from .backend import quantfuse
 from .explain import explain
-from .quantize import AWQLinear, W8A8Linear, quantize_model
+from .quantize import AWQLinear, W8A8Linear, W8A16Linear, quantize_model
 
-__all__ = ["AWQLinear", "W8A8Linear", "backend", "explain", "from_pretrained", "ops", "quantfuse", "quantize_model"]
+__all__ = ["AWQLinear", "W8A8Linear", "W8A16Linear", "backend", "explain", "from_pretrained", "ops", "quantfuse",
+           "quantize_model"]
 __version__ = "0.1.0"
 
 

@@ -1,9 +1,9 @@
-"""Tensor parallelism for quantized models: shard ``W8A8Linear``, ``AWQLinear`` and ``nn.Linear``.
+"""Tensor parallelism for quantized models: shard ``W8A8Linear``, ``W8A16Linear``, ``AWQLinear`` and ``nn.Linear``.
 
 ``tensor_parallel(model, group, plan)`` replaces each linear the plan names with this rank's shard:
 
 * ``"colwise"``: output features ``N`` split over the ranks.  Everything that follows ``N`` is split with
-  the weight: W8A8 per-channel ``weight_scale`` and ``bias``; AWQ ``qweight``/``qzeros`` columns (``N/8``
+  the weight: W8A8 and W8A16 per-channel ``weight_scale`` and ``bias``; AWQ ``qweight``/``qzeros`` columns (``N/8``
   packed) and ``scales``/``bias`` columns.  Per-tensor and activation scales are replicated.  No
   collective: the next layer reads the shard (attention heads, the SwiGLU product).
 * ``"rowwise"``: input features ``K`` split; the local module computes a partial product without bias,
@@ -39,7 +39,7 @@ from torch.distributed import _functional_collectives as funcol
 
 from .derived import HeldParameter
 from .ops.awq_gemm import AWQ_PACK
-from .quantize.modules import AWQLinear, W8A8Linear, set_tensors
+from .quantize.modules import AWQLinear, W8A8Linear, W8A16Linear, set_tensors
 
 COLWISE, ROWWISE = "colwise", "rowwise"
 
@@ -120,6 +120,22 @@ def _shard_w8a8(mod: W8A8Linear, name: str, style: str, rank: int, ranks: int):
                         **shared), mod.bias
 
 
+def _shard_w8a16(mod: W8A16Linear, name: str, style: str, rank: int, ranks: int):
+    K, N = mod.in_features, mod.out_features
+    kw = dict(per_channel=mod.per_channel, dtype=mod.out_dtype, scale_dtype=mod.weight_scale.dtype)
+    if style == COLWISE:
+        n = _share(name, "out_features", N, ranks)
+        with torch.device("meta"):
+            local = W8A16Linear(K, n, bias=mod.bias is not None, **kw)
+        scale = _slice(mod.weight_scale, 0, rank, n) if mod.per_channel else mod.weight_scale
+        return set_tensors(local, weight=_slice(mod.weight, 0, rank, n), weight_scale=scale,
+                           bias=_slice(mod.bias, 0, rank, n)), None
+    k = _share(name, "in_features", K, ranks)
+    with torch.device("meta"):
+        local = W8A16Linear(k, N, bias=False, **kw)
+    return set_tensors(local, weight=_slice(mod.weight, 1, rank, k), weight_scale=mod.weight_scale), mod.bias
+
+
 def _shard_awq(mod: AWQLinear, name: str, style: str, rank: int, ranks: int):
     K, N, G = mod.in_features, mod.out_features, mod.group_size
     dtype = mod.scales.dtype
@@ -169,7 +185,8 @@ def _shard_linear(mod: nn.Linear, name: str, style: str, rank: int, ranks: int):
     return local, mod.bias
 
 
-_SHARDERS = ((W8A8Linear, _shard_w8a8), (AWQLinear, _shard_awq), (nn.Linear, _shard_linear))
+_SHARDERS = ((W8A8Linear, _shard_w8a8), (W8A16Linear, _shard_w8a16), (AWQLinear, _shard_awq),
+             (nn.Linear, _shard_linear))
 
 
 def shard_linear(module: nn.Module, style: str, group: dist.ProcessGroup, name: str = "linear") -> nn.Module:
@@ -180,7 +197,7 @@ def shard_linear(module: nn.Module, style: str, group: dist.ProcessGroup, name: 
     if sharder is None or getattr(module, "_tp_shard", None) is not None:
         what = "already a shard" if sharder is not None else f"a {type(module).__name__}"
         raise TypeError(f"tensor_parallel: layer {name!r} is {what}; expected an unsharded W8A8Linear, "
-                        "AWQLinear or nn.Linear")
+                        "W8A16Linear, AWQLinear or nn.Linear")
     rank, ranks = dist.get_rank(group), dist.get_world_size(group)
     local, bias = sharder(module, name, style, rank, ranks)
     local._tp_shard = (style, rank, ranks)  # this rank's part of a layer: sharding it again is an error

@@ -13,9 +13,15 @@ borrows from the next nibble).  The model is test_e2e_hf's 2-layer Llama (hidden
   its forward equals ``x @ W`` (act-order: the activation permuted to the stored rows' order);
 * compiled with ``backend="quantfuse"`` (one checkpoint with an in-order layer and an act-order one):
   every linear fused, ops sharing an input merged, ``generate`` tokens equal to eager's;
+* 8-bit per-channel symmetric (v1 / v2, ``desc_act`` false / true, with biases; four 8-bit values along
+  K per word, lowest byte first, zero point 128, v1 storing 127): loaded into ``W8A16Linear``, whose
+  int8 weight is ``q - 128`` and whose weight times scale equals the float64 dequantization of the
+  written integers exactly; compiled, every linear fused into ``w8a16_gemm``, the logits eager's (up
+  to the op's one rounding) and the same tokens;
 * an act-order layer's ``state_dict`` round-trips, its column-wise tensor-parallel shards compute its
-  outputs (a row-wise split is refused); refusals (2/3/8-bit, other formats, a ``g_idx``
-  no contiguous layout serves) name the key and the scheme.
+  outputs (a row-wise split is refused); refusals (2/3-bit, 8-bit with groups or asymmetric, an 8-bit
+  zero point other than 128, other formats, a ``g_idx`` no contiguous layout serves) name the key and
+  the scheme.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from test_e2e_hf import assert_tokens_match, eager_generate, generate, prompt, t
 from compile_backend.checkpoints import UnsupportedCheckpointError, from_pretrained  # noqa: E402
 from compile_backend.ops import awq_unpack  # noqa: E402
 from compile_backend.passes import collecting_report  # noqa: E402
-from compile_backend.quantize import AWQLinear  # noqa: E402
+from compile_backend.quantize import AWQLinear, W8A16Linear  # noqa: E402
 
 LINEARS = 14  # q, k, v, o, gate, up, down per layer; lm_head stays float
 # q/k/v read one input, gate/up another: a real GPTQ act-order gives each such set one order.
@@ -62,19 +68,23 @@ def _int32(words: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
-def pack_along_k(q: torch.Tensor) -> torch.Tensor:
-    """[K, N] values in [0, 15] -> qweight [K/8, N]: row 8r + j in bits 4j of word r."""
+def pack_along_k(q: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """[K, N] values in [0, 2^bits) -> qweight [K/p, N], p = 32/bits: row p·r + j in bits ``bits·j`` of word r."""
     K, N = q.shape
-    q = q.to(torch.int64).reshape(K // 8, 8, N)
-    return _int32(sum(q[:, j] << (4 * j) for j in range(8)))
+    p = 32 // bits
+    q = q.to(torch.int64).reshape(K // p, p, N)
+    return _int32(sum(q[:, j] << (bits * j) for j in range(p)))
 
 
-def pack_along_n(z: torch.Tensor, v1: bool) -> torch.Tensor:
-    """[R, N] zero points -> qzeros [R, N/8]: column 8c + j in bits 4j; v1: the word minus 0x11111111."""
+def pack_along_n(z: torch.Tensor, v1: bool, bits: int = 4) -> torch.Tensor:
+    """[R, N] zero points -> qzeros [R, N/p]: column p·c + j in bits ``bits·j``; v1: the word minus one per
+    value (0x11111111 for 4 bits, 0x01010101 for 8)."""
     R, N = z.shape
-    z = z.to(torch.int64).reshape(R, N // 8, 8)
-    words = sum(z[..., j] << (4 * j) for j in range(8))
-    return _int32((words - 0x11111111) & 0xFFFFFFFF if v1 else words)
+    p = 32 // bits
+    z = z.to(torch.int64).reshape(R, N // p, p)
+    words = sum(z[..., j] << (bits * j) for j in range(p))
+    ones = sum(1 << (bits * j) for j in range(p))
+    return _int32((words - ones) & 0xFFFFFFFF if v1 else words)
 
 
 def act_order_g_idx(K: int, G: int, gen: torch.Generator) -> torch.Tensor:
@@ -86,10 +96,11 @@ def act_order_g_idx(K: int, G: int, gen: torch.Generator) -> torch.Tensor:
 
 
 def write_gptq(folder, *, fmt="gptq", sym=True, group=32, desc_act=False, bias=False, seed=0,
-               in_order_layers=(), style="dict"):
+               in_order_layers=(), style="dict", bits=4):
     """A GPTQ checkpoint of test_e2e_hf's tiny Llama; returns ``(folder, layers)``, ``layers``: linear
     name -> (q [K, N], z [K/G, N], scales [K/G, N] float16, g_idx [K], bias or None), the integers written.
-    ``in_order_layers``: decoder layers whose ``g_idx`` stays ``k // G`` under ``desc_act``."""
+    ``in_order_layers``: decoder layers whose ``g_idx`` stays ``k // G`` under ``desc_act``.  ``bits``
+    4 or 8 (8: values in [0, 255], symmetric zero points 128)."""
     model = tiny_causal_lm(dtype=torch.float16)
     gen = torch.Generator().manual_seed(seed)
     tensors, layers, orders = {}, {}, {}
@@ -98,8 +109,9 @@ def write_gptq(folder, *, fmt="gptq", sym=True, group=32, desc_act=False, bias=F
             continue
         N, K = m.weight.shape
         G = K if group == -1 else group
-        q = torch.randint(0, 16, (K, N), generator=gen)
-        z = torch.full((K // G, N), 8) if sym else torch.randint(0, 16, (K // G, N), generator=gen)
+        top = 2**bits
+        q = torch.randint(0, top, (K, N), generator=gen)
+        z = torch.full((K // G, N), top // 2) if sym else torch.randint(0, top, (K // G, N), generator=gen)
         s = (torch.rand(K // G, N, generator=gen) * 0.015 + 0.005).to(torch.float16)
         layer = int(name.split(".")[2])
         if desc_act and layer not in in_order_layers:
@@ -109,7 +121,8 @@ def write_gptq(folder, *, fmt="gptq", sym=True, group=32, desc_act=False, bias=F
             g_idx = torch.arange(K) // G
         b = (torch.randn(N, generator=gen) * 0.1).to(torch.float16) if bias else None
         layers[name] = (q, z, s, g_idx, b)
-        tensors.update({f"{name}.qweight": pack_along_k(q), f"{name}.qzeros": pack_along_n(z, fmt == "gptq"),
+        tensors.update({f"{name}.qweight": pack_along_k(q, bits),
+                        f"{name}.qzeros": pack_along_n(z, fmt == "gptq", bits),
                         f"{name}.scales": s, f"{name}.g_idx": g_idx.to(torch.int32)})
         if bias:
             tensors[f"{name}.bias"] = b
@@ -121,9 +134,9 @@ def write_gptq(folder, *, fmt="gptq", sym=True, group=32, desc_act=False, bias=F
     config.update(dtype="float16", attention_bias=bias, mlp_bias=bias)
     if style == "transformers":  # GPTQConfig's keys: format and the legacy checkpoint_format
         config["quantization_config"] = transformers.GPTQConfig(
-            bits=4, group_size=group, desc_act=desc_act, sym=sym, format=fmt).to_dict()
+            bits=bits, group_size=group, desc_act=desc_act, sym=sym, format=fmt).to_dict()
     else:
-        config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group,
+        config["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group,
                                          "desc_act": desc_act, "sym": sym, "checkpoint_format": fmt}
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(config, f)
@@ -249,6 +262,99 @@ def test_gptq_fused_generate(tmp_path):
     assert_tokens_match(tokens, logits, ref_tokens, ref_logits, what="GPTQ act-order")
 
 
+# --------------------------------------------------------------------------- 8-bit per-channel: W8A16Linear
+
+
+def check_int8_layers(model, layers):
+    """Every linear a ``W8A16Linear`` holding ``q - 128`` as its int8 weight and the written scales: its
+    weight times its scale is the float64 dequantization of the written integers exactly, and its
+    float16 dequantized weight that value's rounding, bit for bit."""
+    mods = {n: m for n, m in model.named_modules() if isinstance(m, W8A16Linear)}
+    assert sorted(mods) == sorted(layers)
+    assert isinstance(model.lm_head, torch.nn.Linear)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(7)).to(torch.float16)
+    for name, (q, z, s, g_idx, b) in layers.items():
+        mod = mods[name]
+        assert torch.equal(z, torch.full_like(z, 128)) and not g_idx.any(), name  # what was written
+        assert {k for k, _ in mod.named_parameters()} == {"weight", "weight_scale"} | (
+            {"bias"} if b is not None else set()), name
+        assert mod.out_dtype == torch.float16 and mod.per_channel, name
+        assert mod.weight.dtype == torch.int8 and torch.equal(mod.weight.t().long(), q - 128), name
+        assert mod.weight_scale.dtype == torch.float16 and torch.equal(mod.weight_scale, s.reshape(-1)), name
+        w = reference_weight(q, z, s, g_idx)  # [K, N]
+        assert torch.equal(mod.weight.t().double() * mod.weight_scale.double(), w), name
+        assert torch.equal(mod.dequantized_weight().t(), w.to(torch.float16)), name
+        if b is not None:
+            assert torch.equal(mod.bias, b), name
+        xk = x[:, :mod.in_features]
+        ref = xk.double() @ w + (0 if b is None else b.double())
+        with torch.no_grad():
+            got = mod(xk).double()
+        assert ((got - ref).norm() / ref.norm()).item() < 1e-2, name
+
+
+@pytest.mark.parametrize("fmt,desc_act,bias,style", [("gptq", False, False, "dict"),
+                                                     ("gptq_v2", True, True, "transformers")],
+                         ids=["gptq-inorder", "gptq_v2-act-bias-GPTQConfig"])
+def test_gptq_int8_per_channel_loads(tmp_path, fmt, desc_act, bias, style):
+    """8-bit, group_size -1, sym: int8 weight-only.  ``desc_act`` leaves one group (``g_idx`` all 0)."""
+    folder, layers = write_gptq(str(tmp_path / "int8"), fmt=fmt, sym=True, group=-1, desc_act=desc_act,
+                                bias=bias, bits=8, style=style, seed=11)
+    qcfg = json.load(open(os.path.join(folder, "config.json")))["quantization_config"]
+    assert qcfg["bits"] == 8 and qcfg["group_size"] == -1
+    check_int8_layers(from_pretrained(folder), layers)
+
+
+def test_gptq_int8_bfloat16_widens_the_scales(tmp_path):
+    """Loaded as bfloat16: the float16 scales are held in float32 (exact) rather than rounded to bfloat16."""
+    folder, layers = write_gptq(str(tmp_path / "int8"), fmt="gptq_v2", group=-1, bits=8, bias=True)
+    mod = from_pretrained(folder, dtype=torch.bfloat16).model.layers[1].mlp.down_proj
+    _, _, s, _, b = layers["model.layers.1.mlp.down_proj"]
+    assert mod.out_dtype == torch.bfloat16 and mod.bias.dtype == torch.bfloat16
+    assert mod.weight_scale.dtype == torch.float32 and torch.equal(mod.weight_scale, s.reshape(-1).float())
+
+
+@pytest.mark.compile
+def test_gptq_int8_fused(tmp_path):
+    """8-bit per-channel (v1, with biases), compiled: every linear fused into ``w8a16_gemm``, q/k/v and
+    gate/up merged, the logits those of eager (the fused op scales the float32 sums rather than each
+    weight element) and the same next token at every position.  One forward rather than ``generate``,
+    which would compile twice (the 4-bit test above covers the decode loop's machinery)."""
+    folder, _ = write_gptq(str(tmp_path / "int8"), fmt="gptq", group=-1, bits=8, bias=True, seed=5)
+    model = from_pretrained(folder)
+    ids = prompt(model.config.vocab_size, "cpu")
+    torch._dynamo.reset()
+    with torch.no_grad():
+        eager = model(ids).logits.float()
+        with collecting_report() as report, torch._functorch.config.patch(enable_autograd_cache=False):
+            compiled = torch.compile(model, backend="quantfuse", options={"fx_graph_cache": False})(ids).logits.float()
+    assert report.unfused == [], str(report)
+    assert report.counts() == {"w8a16_gemm": LINEARS}, str(report)
+    assert len(report.merged) == 4, str(report)
+    rel = float((compiled - eager).norm() / eager.norm())
+    assert rel < 1e-2, rel  # float16 model [~2e-3]
+    assert torch.equal(compiled.argmax(-1), eager.argmax(-1))
+
+
+@pytest.mark.parametrize("how,match", [
+    ("zeros", r"q_proj\.qzeros' stores zero point 3 for output channel 0; 8-bit symmetric GPTQ \(gptq_v2\) "
+              r"stores 128 for every channel"),
+    ("g_idx", r"q_proj\.g_idx' holds group indices outside \[0, 1\) \(group_size -1: one group\)"),
+])
+def test_gptq_int8_bad_tensors(tmp_path, how, match):
+    folder, _ = write_gptq(str(tmp_path / "int8"), fmt="gptq_v2", group=-1, bits=8)
+    file = os.path.join(folder, "model.safetensors")
+    t = safetensors_torch.load_file(file)
+    prefix = "model.layers.0.self_attn.q_proj."
+    if how == "zeros":
+        t[prefix + "qzeros"][0, 0] = (t[prefix + "qzeros"][0, 0] & ~0xFF) | 3  # channel 0's byte
+    else:
+        t[prefix + "g_idx"][5] = 1
+    safetensors_torch.save_file(t, file)
+    with pytest.raises(UnsupportedCheckpointError, match=match):
+        from_pretrained(folder)
+
+
 # --------------------------------------------------------------------------- the act-order layer
 
 
@@ -309,11 +415,13 @@ def _with_config(src, dst, **changes):
 
 
 REFUSALS = [
+    (dict(bits=8, group_size=128), r"bits = 8: 8-bit GPTQ with group size 128 \(int8 weight-only takes one scale"),
+    # 8-bit per-channel symmetric is read as such: the 4-bit tensors are not its layout
     (dict(bits=8, group_size=-1, sym=True),
-     r"bits = 8: 8-bit GPTQ, per-channel symmetric: int8 weight-only \(W8A16\).*no module holding W8A16 weights"),
-    (dict(bits=8, group_size=128), r"bits = 8: 8-bit GPTQ with group size 128"),
+     r"qweight' has shape \(\d+, \d+\), dtype torch.int32; expected dtype torch.int32 or shape \(\d+, \d+\)"),
     (dict(bits=8, group_size=-1, sym=False), r"bits = 8: 8-bit GPTQ, per-channel asymmetric"),
-    (dict(bits=3), r"bits = 3: 3-bit GPTQ with group size 32 \(only 4-bit"),
+    (dict(bits=3), r"bits = 3: 3-bit GPTQ with group size 32 \(only 4-bit GPTQ, and 8-bit per-channel symmetric, "
+                   r"load\)"),
     (dict(bits=2, group_size=-1), r"bits = 2: 2-bit GPTQ with per-channel"),
     (dict(checkpoint_format="marlin"), r"checkpoint_format = 'marlin': the GPTQ 'marlin' weight layout"),
     (dict(pack_dtype="int64"), r"pack_dtype = 'int64'"),

@@ -8,6 +8,7 @@ import io
 import pytest
 import torch
 import torch._dynamo.testing
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -17,6 +18,7 @@ from compile_backend.derived.held_parameter import HeldParameter
 from compile_backend.quantize import (
     AWQLinear,
     W8A8Linear,
+    W8A16Linear,
     awq_pack,
     awq_unpack_values,
     held_tensors,
@@ -178,7 +180,7 @@ def test_awq_forward_op_computes_the_form(bias, group_size):
 
 @pytest.mark.gpu
 @pytest.mark.compile
-@pytest.mark.parametrize("scheme", ["int8", "int8-asym", "fp8-rowwise", "awq-g128"])
+@pytest.mark.parametrize("scheme", ["int8", "int8-asym", "fp8-rowwise", "awq-g128", "w8a16"])
 def test_eager_cuda_inference_calls_the_op(scheme, monkeypatch):
     """On CUDA, eager inference runs forward_op (the fused op); a call autograd records, and a
     traced one, write the form, which the passes fuse when compiling."""
@@ -474,10 +476,16 @@ def _awq_holding_all() -> AWQLinear:
     return AWQLinear.from_linear(nn.Linear(64, 32).half(), group_size=32)
 
 
-HOLDERS = {"w8a8": _w8a8_holding_all, "awq": _awq_holding_all}
+def _w8a16_holding_all() -> W8A16Linear:
+    torch.manual_seed(0)
+    return W8A16Linear.from_linear(nn.Linear(64, 32), dtype=torch.float32)
+
+
+HOLDERS = {"w8a8": _w8a8_holding_all, "awq": _awq_holding_all, "w8a16": _w8a16_holding_all}
 HELD_NAMES = {
     "w8a8": ("weight", "weight_scale", "bias", "input_scale", "input_zero_point"),
     "awq": ("qweight", "qzeros", "scales", "bias"),
+    "w8a16": ("weight", "weight_scale", "bias"),
 }
 
 
@@ -541,7 +549,7 @@ def _reload(obj, weights_only: bool):
 
 
 def _loaded_into_new(mod: nn.Module, state: dict, assign: bool = False) -> nn.Module:
-    new = HOLDERS["w8a8" if isinstance(mod, W8A8Linear) else "awq"]()
+    new = HOLDERS[{W8A8Linear: "w8a8", AWQLinear: "awq", W8A16Linear: "w8a16"}[type(mod)]]()
     new.load_state_dict(state, assign=assign)
     return new
 
@@ -760,3 +768,213 @@ def test_compiled_cuda_model_sees_writes_through_data(scheme):
             got, want = compiled(x), fresh(x)
             assert not torch.equal(got, old)
             torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+# --------------------------------------------------------------------------- W8A16 (int8 weight-only)
+
+
+def _w8a16_reference(mod: W8A16Linear, x: torch.Tensor) -> torch.Tensor:
+    """float64 ``x @ (w_q · s)ᵀ + bias`` of the layer's own tensors."""
+    w = mod.weight.double() * mod.weight_scale.double().reshape(-1, 1)
+    y = x.double() @ w.t()
+    return y if mod.bias is None else y + mod.bias.double()
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("per_channel", [True, False], ids=["per-channel", "per-tensor"])
+def test_w8a16_linear_forward_is_the_form(per_channel, dtype, bias):
+    """``forward`` is ``F.linear`` of the weight dequantized in float32 and rounded once to the activation
+    dtype (what ``passes/w8a16_gemm.py`` fuses); ``forward_op`` (eager CUDA inference: one ``w8a16_gemm``
+    call, its reference here) applies the scale to the float32 sums: both within rounding of the float64
+    product of the layer's tensors."""
+    torch.manual_seed(3)
+    lin = nn.Linear(128, 48, bias=bias)
+    mod = W8A16Linear.from_linear(lin, per_channel=per_channel, dtype=dtype)
+    q, s = quantize_weight_int8(lin.weight, per_channel)
+    assert mod.weight.dtype == torch.int8 and torch.equal(mod.weight, q)
+    assert mod.weight_scale.dtype == torch.float32 and torch.equal(mod.weight_scale, s)
+    assert mod.weight_scale.shape == ((48,) if per_channel else ())
+    x = torch.randn(2, 5, 128).to(dtype)
+    w = (q.float() * (s.unsqueeze(1) if per_channel else s)).to(dtype)
+    form = mod(x)
+    assert form.dtype == dtype and form.shape == (2, 5, 48)
+    assert torch.equal(mod.dequantized_weight(), w)
+    assert torch.equal(form, F.linear(x, w, None if lin.bias is None else lin.bias.detach().to(dtype)))
+    assert torch.equal(mod(x.double()), form)  # an input in another dtype is cast to the layer's
+    op = mod.forward_op(x.reshape(-1, 128)).reshape(form.shape)
+    assert op.dtype == dtype
+    ref = _w8a16_reference(mod, x)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(op.double(), ref, **tol)
+    torch.testing.assert_close(form.double(), ref, **tol)
+    # int8 round-to-nearest of the float layer: within about 1%
+    with torch.no_grad():
+        assert _rel_err(form, lin(x.float())) < 2e-2
+
+
+def test_w8a16_linear_state_dict_round_trip():
+    torch.manual_seed(0)
+    mod = W8A16Linear.from_linear(nn.Linear(64, 32).to(torch.bfloat16))
+    sd = mod.state_dict()
+    assert list(sd) == ["weight", "weight_scale", "bias"]
+    assert [v.dtype for v in sd.values()] == [torch.int8, torch.float32, torch.bfloat16]
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    want = mod(x)
+    again = W8A16Linear.from_state_dict({f"layer.{k}": v for k, v in sd.items()}, prefix="layer.")
+    fresh = W8A16Linear(64, 32, dtype=torch.bfloat16)
+    fresh.load_state_dict(sd)
+    column = W8A16Linear.from_state_dict({**sd, "weight_scale": sd["weight_scale"].reshape(32, 1)})  # [N, 1]
+    for other in (again, fresh, column):
+        assert other.out_dtype == torch.bfloat16 and other.per_channel
+        got = other.state_dict()
+        assert all(torch.equal(got[k], v) and got[k].dtype == v.dtype for k, v in sd.items())
+        assert torch.equal(other(x), want)
+    assert repr(mod) == "W8A16Linear(64, 32, per_channel=True, dtype=torch.bfloat16, bias=True)"
+    # the activation dtype: asked for, else the bias's, else a half scale's (a scale in neither float32 nor
+    # the activation dtype is held in float32, exactly)
+    half = {"weight": sd["weight"], "weight_scale": sd["weight_scale"].half()}
+    layer = W8A16Linear.from_state_dict(half)
+    assert layer.out_dtype == torch.float16 and layer.weight_scale.dtype == torch.float16 and layer.bias is None
+    assert "scale_dtype=torch.float16" in repr(layer)
+    layer = W8A16Linear.from_state_dict(half, dtype=torch.bfloat16)
+    assert layer.weight_scale.dtype == torch.float32 and torch.equal(layer.weight_scale, half["weight_scale"].float())
+    layer = W8A16Linear.from_state_dict({"weight": sd["weight"], "weight_scale": torch.tensor([0.01])},
+                                        dtype=torch.float32)
+    assert not layer.per_channel and layer.weight_scale.shape == () and layer.out_dtype == torch.float32
+
+
+@pytest.mark.parametrize("key, value, match", [
+    ("weight", lambda s: s["weight"].float(), r"'m\.weight' has shape \(32, 64\), dtype torch.float32; expected a "
+                                              r"non-empty 2-D int8 tensor"),
+    ("weight_scale", lambda s: s["weight_scale"][:5], r"'m\.weight_scale' has shape \(5,\).*N = 32 elements"),
+    ("weight_scale", lambda s: s["weight_scale"].double(), r"'m\.weight_scale' .*float32, float16 or bfloat16"),
+    ("bias", lambda s: s["bias"][:8], r"'m\.bias' has shape \(8,\).*N = 32"),
+])
+def test_w8a16_from_state_dict_names_the_bad_key(key, value, match):
+    state = W8A16Linear.from_linear(nn.Linear(64, 32), dtype=torch.float16).state_dict()
+    state[key] = value(state)
+    with pytest.raises(ValueError, match=match):
+        W8A16Linear.from_state_dict({f"m.{k}": v for k, v in state.items()}, prefix="m.")
+
+
+def test_w8a16_linear_rejects_bad_arguments():
+    with pytest.raises(KeyError, match="weight_scale"):
+        W8A16Linear.from_state_dict({"weight": torch.zeros(4, 4, dtype=torch.int8)})
+    with pytest.raises(ValueError, match=r"dtype torch.float64; expected torch.float16, torch.bfloat16 or torch"):
+        W8A16Linear(64, 32, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"scale_dtype torch.float16; expected torch.float32 or the activation dtype"):
+        W8A16Linear(64, 32, dtype=torch.bfloat16, scale_dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"in_features 0; expected a positive integer"):
+        W8A16Linear(0, 32)
+
+
+def test_w8a16_dtype_conversions():
+    """The int8 weight and a float32 scale keep their dtypes; bias and out_dtype follow the conversion; a
+    scale held in the activation dtype stays with it, and becomes float32 (exactly) when it changes."""
+    torch.manual_seed(0)
+    mod = W8A16Linear.from_linear(nn.Linear(64, 32), dtype=torch.float32)
+    before = {k: v.clone() for k, v in mod.state_dict().items()}
+    for convert, target in (("half", torch.float16), ("bfloat16", torch.bfloat16), ("float", torch.float32),
+                            ("to", torch.bfloat16)):
+        converted = mod.to(target) if convert == "to" else getattr(mod, convert)()
+        assert converted is mod and mod.out_dtype == target and mod.bias.dtype == target
+        assert torch.equal(mod.weight, before["weight"]) and mod.weight.dtype == torch.int8
+        assert torch.equal(mod.weight_scale, before["weight_scale"]) and mod.weight_scale.dtype == torch.float32
+    assert torch.equal(mod.bias, before["bias"].half().bfloat16())  # rounded by .half(), then by .bfloat16()
+    x = torch.randn(3, 64)
+    xb = x.to(torch.bfloat16)
+    assert torch.equal(mod(xb), F.linear(xb, mod.dequantized_weight(), mod.bias))
+    half = W8A16Linear.from_state_dict({k: v.half() if v.is_floating_point() else v for k, v in before.items()})
+    assert half.out_dtype == half.weight_scale.dtype == torch.float16
+    scale = half.weight_scale.clone()
+    half.half()
+    assert half.weight_scale.dtype == torch.float16
+    half.bfloat16()
+    assert half.out_dtype == torch.bfloat16 and half.weight_scale.dtype == torch.float32
+    assert torch.equal(half.weight_scale, scale.float())
+    # a dtype the op does not take: the form, in it
+    mod.double()
+    assert mod.out_dtype == torch.float64 and mod.weight_scale.dtype == torch.float32
+    assert torch.equal(mod(x.double()), F.linear(x.double(), mod.dequantized_weight(), mod.bias))
+
+
+@pytest.mark.parametrize("per_channel", [True, False], ids=["per-channel", "per-tensor"])
+def test_w8a16_tensor_parallel_shards(per_channel):
+    """Column-wise shards hold their rows of the weight, scale (per-channel) and bias and compute their
+    outputs; row-wise shards hold their columns of the weight, the whole scale and no bias, and their
+    partial products plus the bias (``RowParallelLinear`` adds it once) give the layer's output."""
+    from compile_backend.tensor_parallel import _shard_w8a16
+
+    torch.manual_seed(0)
+    mod = W8A16Linear.from_linear(nn.Linear(64, 32), per_channel=per_channel, dtype=torch.float32)
+    x = torch.randn(3, 64)
+    cols = [_shard_w8a16(mod, "m", "colwise", rank, 2) for rank in range(2)]
+    rows = [_shard_w8a16(mod, "m", "rowwise", rank, 2) for rank in range(2)]
+    for rank, (shard, bias) in enumerate(cols):
+        assert bias is None and isinstance(shard, W8A16Linear) and shard.out_features == 16
+        assert torch.equal(shard.weight, mod.weight[16 * rank:16 * (rank + 1)])
+        assert torch.equal(shard.weight_scale, mod.weight_scale[16 * rank:16 * (rank + 1)] if per_channel
+                           else mod.weight_scale)
+        assert torch.equal(shard.bias, mod.bias[16 * rank:16 * (rank + 1)])
+    for rank, (shard, bias) in enumerate(rows):
+        assert bias is mod.bias and shard.bias is None and shard.in_features == 32
+        assert torch.equal(shard.weight, mod.weight[:, 32 * rank:32 * (rank + 1)])
+        assert torch.equal(shard.weight_scale, mod.weight_scale)
+    with torch.no_grad():
+        want = mod(x)
+        torch.testing.assert_close(torch.cat([s(x) for s, _ in cols], -1), want, rtol=1e-6, atol=1e-6)
+        partial = sum(s(x[:, 32 * r:32 * (r + 1)]) for r, (s, _) in enumerate(rows))
+        torch.testing.assert_close(partial + mod.bias, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"layer 'm': out_features 32 cannot be split evenly over 3 ranks"):
+        _shard_w8a16(mod, "m", "colwise", 0, 3)
+
+
+@pytest.mark.compile
+def test_w8a16_compiled_fuses_every_layer():
+    """W8A16 layers per-channel and per-tensor, with and without bias, float32 and bfloat16 scales, 3-D
+    activations: ``explain`` counts every one fused, and the compiled model computes eager's output but
+    for the form's rounding of each weight element (the op scales the float32 sums instead)."""
+    from compile_backend import explain
+    from compile_backend.passes import collecting_report
+
+    torch.manual_seed(0)
+    bf16 = torch.bfloat16
+    half_scale = W8A16Linear.from_linear(nn.Linear(48, 48), dtype=bf16)
+    set_tensors(half_scale, weight_scale=half_scale.weight_scale.to(bf16))
+    model = nn.Sequential(
+        W8A16Linear.from_linear(nn.Linear(64, 48), dtype=bf16), nn.ReLU(), half_scale, nn.ReLU(),
+        W8A16Linear.from_linear(nn.Linear(48, 32, bias=False), per_channel=False, dtype=bf16))
+    x = torch.randn(2, 3, 64, dtype=bf16)
+    with torch.no_grad():
+        report = explain(model, x)
+        assert report.counts() == {"w8a16_gemm": 3} and not report.unfused, str(report)
+        eager = model(x)
+        torch._dynamo.reset()
+        with collecting_report() as report, torch._functorch.config.patch(enable_autograd_cache=False):
+            compiled = torch.compile(model, backend="quantfuse", options={"fx_graph_cache": False})(x)
+    assert report.counts() == {"w8a16_gemm": 3}, str(report)
+    assert compiled.dtype == bf16 and _rel_err(compiled, eager) < 1e-2, _rel_err(compiled, eager)
+
+
+def test_quantize_model_w8a16():
+    """``quantize_model(..., "w8a16")``: every linear but ``lm_head`` a per-channel ``W8A16Linear`` in the
+    model's dtype, q/k/v and gate/up stored as views of one merged tensor; close to the float model."""
+    from compile_backend.models.llama import LlamaConfig, tiny_llama
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_layers=1)
+    dense = tiny_llama(cfg)
+    model = quantize_model(tiny_llama(cfg), "w8a16")
+    layers = [m for m in model.modules() if isinstance(m, W8A16Linear)]
+    assert len(layers) == 7 and isinstance(model.lm_head, nn.Linear)
+    assert all(m.out_dtype == torch.float32 and m.per_channel and m.weight_scale.dtype == torch.float32
+               for m in layers)
+    attn, mlp = model.layers[0].attn, model.layers[0].mlp
+    for group in ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)):
+        for name in ("weight", "weight_scale"):
+            assert len({getattr(m, name).untyped_storage().data_ptr() for m in group}) == 1, name
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert _rel_err(model(tokens), dense(tokens)) < 5e-2
+    o_proj = quantize_model(tiny_llama(cfg, dtype=torch.bfloat16), "w8a16").layers[0].attn.o_proj
+    assert isinstance(o_proj, W8A16Linear) and o_proj.out_dtype == torch.bfloat16

@@ -1,4 +1,5 @@
-"""GPTQ checkpoints (``quant_method: gptq``): AutoGPTQ's, GPTQModel's and transformers' 4-bit format -> ``AWQLinear``.
+"""GPTQ checkpoints (``quant_method: gptq``): AutoGPTQ's, GPTQModel's and transformers' format; 4-bit ->
+``AWQLinear``, 8-bit per-channel symmetric -> ``W8A16Linear``.
 
 ``quantization_config``: ``{"quant_method": "gptq", "bits": 4, "group_size": G, "desc_act": ..., "sym": ...,
 "checkpoint_format": "gptq" | "gptq_v2"}`` (transformers' ``GPTQConfig`` writes ``format`` and the legacy
@@ -34,10 +35,22 @@ gathers the activation to match (``AWQLinear``'s class doc).  Any ``g_idx`` that
 each group loads; a ``g_idx`` equal to ``k // G`` (``desc_act`` false, or ``static_groups``) keeps no
 ``perm``; layers with the same order share one ``perm`` tensor (``GPTQFormat.shared_perm``).
 
+8-bit, per-channel (``group_size: -1``) and symmetric: int8 weight-only (W8A16), loaded into
+``W8A16Linear`` (whose forward the ``w8a16_gemm`` pass fuses).  The same layout with four 8-bit values
+per int32 word: ``qweight`` ``[K/4, N]`` (row ``4r + j`` in bits ``8j .. 8j+7`` of ``qweight[r]``, lowest
+byte first), ``qzeros`` ``[1, N/4]`` (column ``4c + j`` in bits ``8j``), ``scales`` ``[1, N]``, ``g_idx``
+all 0 (one group; act-order changes nothing with one group).  Symmetric GPTQ's zero point is 128
+(``gptq_v2``; v1 stores 127, each word minus ``0x01010101``: GPTQModel's
+``convert_gptq_v1_to_v2_format_module`` for 8 bits), so ``W[k, n] = (q[k, n] - 128) * s[n]``: the layer
+holds ``w_q = (q - 128)ᵀ`` as int8 ``[N, K]`` and ``weight_scale = s`` ``[N]`` (as stored where that is
+the activation dtype, else widened to float32), the same values bit for bit.  A stored zero point other
+than 128 is refused (it is not the symmetric scheme the config names).  GPTQModel's
+``dequantize_weight`` (bits 8: ``wf = [0, 8, 16, 24]``, ``(qweight >> wf) & 0xFF`` along K,
+``scales[g_idx] * (weight - zeros[g_idx])``) is what this mirrors.
+
 Refused with ``UnsupportedCheckpointError`` naming the config key and the scheme: 2-, 3- and other-bit
-GPTQ, 8-bit GPTQ (with groups; asymmetric; and per-channel symmetric, the int8 weight-only (W8A16) form
-the ``w8a16_gemm`` pass fuses, because quantfuse has no module that holds W8A16 weights for the loader
-to load them into), other checkpoint formats (``marlin``, ``bitblas``, ...), packing words other than
+GPTQ, 8-bit GPTQ with groups (int8 weight-only takes one scale per output channel) or asymmetric (it
+has no zero point), other checkpoint formats (``marlin``, ``bitblas``, ...), packing words other than
 int32, GPTQModel's per-module ``dynamic`` overrides.
 """
 
@@ -46,7 +59,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..quantize.modules import AWQLinear, set_tensors
+from ..quantize.modules import AWQLinear, W8A16Linear, set_tensors
 from ..quantize.weights import awq_pack
 from .common import LayerPlan, UnsupportedCheckpointError, check_tensor, unsupported
 from .pack_quantized import unpack_rows
@@ -54,13 +67,23 @@ from .pack_quantized import unpack_rows
 LAYER_TENSORS = {"qweight", "qzeros", "scales", "g_idx", "bias"}
 HALF = (torch.float16, torch.bfloat16)
 FORMATS = ("gptq", "gptq_v2")
-V1_ZERO_OFFSET = 0x11111111  # one per nibble of a 4-bit zero-point word (v1 = v2 - this, word-wise)
+# One per packed value of a zero-point word, by bit width (v1 = v2 - this, word-wise).
+V1_ZERO_OFFSET = {4: 0x11111111, 8: 0x01010101}
+INT8_ZERO = 128  # the zero point of symmetric 8-bit GPTQ (v2; v1 stores 127)
+BYTE_SHIFTS = (0, 8, 16, 24)
 
 
-def v1_to_v2_zeros(qzeros: torch.Tensor) -> torch.Tensor:
-    """v1 zero-point words -> v2 ones: ``+ 0x11111111`` on the unsigned 32-bit word, as GPTQModel does
-    (``[R, N/8]`` int32 -> int64 holding the unsigned words)."""
-    return (qzeros.to(torch.int64) + V1_ZERO_OFFSET) & 0xFFFFFFFF
+def v1_to_v2_zeros(qzeros: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """v1 zero-point words -> v2 ones: ``+ 0x11111111`` (8-bit: ``+ 0x01010101``) on the unsigned 32-bit
+    word, as GPTQModel does (``[R, C]`` int32 -> int64 holding the unsigned words)."""
+    return (qzeros.to(torch.int64) + V1_ZERO_OFFSET[bits]) & 0xFFFFFFFF
+
+
+def unpack_bytes(packed: torch.Tensor) -> torch.Tensor:
+    """[R, C/4] int32 (or int64 holding unsigned words) -> [R, C] values in [0, 255], element i of a
+    word in bits 8i .. 8i+7."""
+    shifts = torch.tensor(BYTE_SHIFTS, dtype=packed.dtype, device=packed.device)
+    return ((packed.unsqueeze(-1) >> shifts) & 0xFF).reshape(packed.shape[0], -1)
 
 
 def regroup(g_idx: torch.Tensor, group: int) -> torch.Tensor | None:
@@ -102,11 +125,9 @@ class GPTQFormat:
                 no("bits", bits, f"8-bit GPTQ with {where_g} (int8 weight-only takes one scale per output channel)")
             if not sym:
                 no("bits", bits, "8-bit GPTQ, per-channel asymmetric (int8 weight-only has no zero point)")
-            no("bits", bits, "8-bit GPTQ, per-channel symmetric: int8 weight-only (W8A16), which the w8a16_gemm "
-                             "pass fuses from F.linear(x, w_q.to(dtype) * scale[:, None], bias), but quantfuse has "
-                             "no module holding W8A16 weights for from_pretrained to load it into")
-        if bits != 4:
-            no("bits", bits, f"{bits}-bit GPTQ with {where_g} (only 4-bit GPTQ loads)")
+        elif bits != 4:
+            no("bits", bits, f"{bits}-bit GPTQ with {where_g} (only 4-bit GPTQ, and 8-bit per-channel symmetric, "
+                             "load)")
         fmt = qcfg.get("checkpoint_format") or qcfg.get("format") or "gptq"
         fmt = fmt.lower() if isinstance(fmt, str) else fmt
         key = "checkpoint_format" if qcfg.get("checkpoint_format") else "format"
@@ -117,7 +138,7 @@ class GPTQFormat:
             no("pack_dtype", pack, "GPTQ packed in words other than int32")
         if qcfg.get("dynamic"):
             no("dynamic", qcfg["dynamic"], "per-module quantization overrides (GPTQModel's dynamic)")
-        self.group_size, self.v1, self.sym = group, fmt == "gptq", bool(sym)
+        self.bits, self.group_size, self.v1, self.sym = bits, group, fmt == "gptq", bool(sym)
         self.desc_act = bool(qcfg.get("desc_act", False))
         self.format = fmt
         self._perms: dict[bytes, torch.Tensor] = {}  # see shared_perm
@@ -144,6 +165,8 @@ class GPTQFormat:
         for suffix in ("qzeros", "scales"):
             if suffix not in tensors:
                 raise UnsupportedCheckpointError(f"checkpoint tensor {name}.{suffix} is missing (GPTQ layer {name!r})")
+        if self.bits == 8:
+            return self._plan_int8(name, linear, tensors, dtype)
         if self.desc_act and "g_idx" not in tensors:
             raise UnsupportedCheckpointError(f"checkpoint tensor {name}.g_idx is missing: quantization_config.desc_act "
                                              "= True (act-order) needs each layer's input channel groups")
@@ -170,7 +193,7 @@ class GPTQFormat:
                         "bfloat16 scales: pass dtype=torch.float16 or torch.bfloat16 to round them to it")
                 scales = scales.to(dtype)
             q = unpack_rows(qweight.t().contiguous()).t()  # [K, N]: row 8r + j from bits 4j of qweight[r]
-            z = unpack_rows(v1_to_v2_zeros(qzeros) if self.v1 else qzeros)  # [K/G, N]
+            z = unpack_rows(v1_to_v2_zeros(qzeros, 4) if self.v1 else qzeros)  # [K/G, N]
             perm = None
             if "g_idx" in t:
                 g_idx = check_tensor(tensors["g_idx"], t["g_idx"], dtypes=(torch.int32, torch.int64), shapes=[(K,)])
@@ -195,4 +218,43 @@ class GPTQFormat:
         sym = "symmetric" if self.sym else "asymmetric"
         act_order = ", act-order" if self.desc_act else ""
         desc = f"GPTQ ({self.format}) 4-bit {sym}, group size {group}{act_order} (as AWQ)"
+        return LayerPlan(name, desc, tuple(tensors.values()), placeholder, load)
+
+    def _plan_int8(self, name: str, linear: nn.Linear, tensors: dict[str, str], dtype: torch.dtype) -> LayerPlan:
+        """8-bit per-channel symmetric GPTQ -> ``W8A16Linear`` (see the module doc)."""
+        K, N = linear.in_features, linear.out_features
+        if K % 4 or N % 4:
+            raise UnsupportedCheckpointError(f"{name}: {K} -> {N} layer; 8-bit GPTQ here needs K and N multiples of 4")
+        with torch.device("meta"):
+            placeholder = W8A16Linear(K, N, bias="bias" in tensors, dtype=dtype)
+
+        def load(t: dict[str, torch.Tensor]) -> nn.Module:
+            qweight = check_tensor(tensors["qweight"], t["qweight"], dtypes=(torch.int32,), shapes=[(K // 4, N)])
+            qzeros = check_tensor(tensors["qzeros"], t["qzeros"], dtypes=(torch.int32,), shapes=[(1, N // 4)])
+            scales = check_tensor(tensors["scales"], t["scales"], dtypes=(*HALF, torch.float32), shapes=[(1, N)])
+            if "g_idx" in t:
+                g_idx = check_tensor(tensors["g_idx"], t["g_idx"], dtypes=(torch.int32, torch.int64), shapes=[(K,)])
+                if bool((g_idx != 0).any()):
+                    raise UnsupportedCheckpointError(
+                        f"checkpoint tensor {tensors['g_idx']!r} holds group indices outside [0, 1) "
+                        "(group_size -1: one group)")
+            z = unpack_bytes(v1_to_v2_zeros(qzeros, 8) if self.v1 else qzeros)  # [1, N]
+            off = (z != INT8_ZERO).nonzero()
+            if off.numel():
+                n = int(off[0, 1])
+                raise UnsupportedCheckpointError(
+                    f"checkpoint tensor {tensors['qzeros']!r} stores zero point {int(unpack_bytes(qzeros)[0, n])} "
+                    f"for output channel {n}; "
+                    f"8-bit symmetric GPTQ ({self.format}) stores {INT8_ZERO - (1 if self.v1 else 0)} for every "
+                    "channel (int8 weight-only has no zero point)")
+            q = unpack_bytes(qweight.t().contiguous())  # [N, K]: column 4r + j from bits 8j of qweight[r]
+            state = {"weight": (q - INT8_ZERO).to(torch.int8), "weight_scale": scales.reshape(N)}
+            if "bias" in t:
+                state["bias"] = t["bias"]
+            try:
+                return W8A16Linear.from_state_dict(state, dtype=dtype)
+            except (KeyError, ValueError) as exc:
+                raise UnsupportedCheckpointError(f"GPTQ layer {name!r}: {exc}") from None
+
+        desc = f"GPTQ ({self.format}) 8-bit symmetric, per-channel (as int8 weight-only, W8A16)"
         return LayerPlan(name, desc, tuple(tensors.values()), placeholder, load)

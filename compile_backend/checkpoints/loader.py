@@ -40,7 +40,7 @@ def checkpoint_format(qcfg):
 
 def from_pretrained(path, dtype=None, device=None, mesh=None, tp_plan=None):
     """Load a quantized checkpoint into a transformers model whose quantized linears are
-    ``W8A8Linear`` / ``AWQLinear``, ready for ``torch.compile(model, backend="quantfuse")``.
+    ``W8A8Linear`` / ``AWQLinear`` / ``W8A16Linear``, ready for ``torch.compile(model, backend="quantfuse")``.
 
     ``path``: a checkpoint folder (``config.json`` and ``model.safetensors`` or sharded
     ``model.safetensors.index.json``), or a Hugging Face Hub id (downloaded with
@@ -48,10 +48,11 @@ def from_pretrained(path, dtype=None, device=None, mesh=None, tp_plan=None):
     (W8A8 int8 and FP8: per-tensor or per-channel weights; dynamic per-token or per-tensor, or
     static, activations; symmetric or asymmetric int8 activations) and ``pack-quantized`` (4-bit
     weight-only, as ``AWQLinear``), AWQ ``gemm`` (``quant_method: awq``, from AutoAWQ or
-    transformers) and GPTQ 4-bit (``quant_method: gptq``, formats ``gptq`` and ``gptq_v2``, act-order
-    included; repacked into ``AWQLinear``).  ``dtype``: the activation dtype of the
-    model (its unquantized weights, the layers' outputs); default (or ``"auto"``) the config's
-    ``dtype`` / ``torch_dtype``.  ``device``: where the tensors are read to (default CPU).
+    transformers) and GPTQ (``quant_method: gptq``, formats ``gptq`` and ``gptq_v2``): 4-bit, act-order
+    included, repacked into ``AWQLinear``; 8-bit per-channel symmetric into ``W8A16Linear``.
+    ``dtype``: the activation dtype of the model (its unquantized weights, the layers' outputs);
+    default (or ``"auto"``) the config's ``dtype`` / ``torch_dtype``.  ``device``: where the tensors
+    are read to (default CPU).
     ``mesh``: a 1-D ``DeviceMesh`` or a process group to shard the loaded model over with
     ``compile_backend.tensor_parallel.tensor_parallel(model, mesh, tp_plan)``; every rank loads the
     checkpoint, then keeps its shards.

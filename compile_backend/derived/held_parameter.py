@@ -1,5 +1,5 @@
-"""``HeldParameter``: the tensors of ``W8A8Linear`` and ``AWQLinear``, a parameter whose writes
-through ``.data`` are seen.
+"""``HeldParameter``: the tensors of the quantized modules (``compile_backend/quantize/modules.py``),
+a parameter whose writes through ``.data`` are seen.
 
 Values derived from a weight (the column sums of an int8 weight, AWQ's repacked layouts) are
 cached per weight and served while the weight's version counter is unchanged (docs/DESIGN.md,

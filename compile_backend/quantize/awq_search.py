@@ -156,11 +156,12 @@ class AWQSearchResult:
 
 
 def calibration_batches(calibration, tokenizer=None) -> list[torch.Tensor]:
-    """The calibration data as a list of ``[B, S]`` token-id tensors, each one model call.
+    """The calibration data as a list of model inputs, each one call ``model(input)``.
 
-    ``calibration``: a tensor of token ids (``[S]`` or ``[B, S]``), a list of such tensors, or a
-    string / list of strings, tokenized one by one with ``tokenizer`` (a transformers tokenizer, or
-    any callable returning ``.input_ids`` or a dict with ``"input_ids"``).
+    ``calibration``: a tensor of token ids (``[S]``, made ``[1, S]``, or ``[B, S]``), a list of such
+    tensors, or a string / list of strings, each tokenized with ``tokenizer`` (a transformers
+    tokenizer, or any callable returning ``.input_ids`` or a dict with ``"input_ids"``).  A float
+    tensor is passed to the model as it is (a model that takes activations, not token ids).
     """
     items = [calibration] if isinstance(calibration, (str, torch.Tensor)) else list(calibration)
     if not items:
@@ -172,17 +173,21 @@ def calibration_batches(calibration, tokenizer=None) -> list[torch.Tensor]:
                 raise ValueError("calibration: strings need tokenizer=... (e.g. the model's transformers tokenizer)")
             enc = tokenizer(item, return_tensors="pt")
             item = enc["input_ids"] if isinstance(enc, dict) or hasattr(enc, "keys") else enc.input_ids
-        if (not isinstance(item, torch.Tensor) or item.is_floating_point() or item.is_complex()
-                or item.dim() not in (1, 2)):
-            raise TypeError(f"calibration: expected token ids ([S] or [B, S] integer tensors) or strings; got "
-                            f"{type(item).__name__}" + (f" {item.dtype} {tuple(item.shape)}"
-                                                        if isinstance(item, torch.Tensor) else ""))
+        if not isinstance(item, torch.Tensor) or (not item.is_floating_point() and item.dim() not in (1, 2)):
+            raise TypeError(f"calibration: expected token ids ([S] or [B, S] integer tensors), strings or float "
+                            f"model inputs; got {type(item).__name__}"
+                            + (f" {item.dtype} {tuple(item.shape)}" if isinstance(item, torch.Tensor) else ""))
         if item.numel() == 0:
             continue
-        batches.append(item.reshape(1, -1) if item.dim() == 1 else item)
+        batches.append(item.reshape(1, -1) if item.dim() == 1 and not item.is_floating_point() else item)
     if not batches:
-        raise ValueError("calibration: the token ids are empty")
+        raise ValueError("calibration: the calibration data is empty")
     return batches
+
+
+def _tokens(batch: torch.Tensor) -> int:
+    """Tokens in one calibration input: its elements (token ids), or its rows (activations)."""
+    return batch.numel() // batch.shape[-1] if batch.is_floating_point() else batch.numel()
 
 
 # --------------------------------------------------------------------------- finding the groups
@@ -259,28 +264,48 @@ def _norm_divides(norm: nn.Module, width: int) -> bool:
 # --------------------------------------------------------------------------- the searches
 
 
-def _scale_from(stat: torch.Tensor, alpha: float) -> torch.Tensor:
-    s = stat.pow(alpha).clamp(min=1e-4)
+def _scale_from(stat: torch.Tensor, alpha: float, w_stat: torch.Tensor | None = None) -> torch.Tensor:
+    s = stat.pow(alpha) if w_stat is None else stat.pow(alpha) / (w_stat.pow(1 - alpha) + 1e-4)
+    s = s.clamp(min=1e-4)
     return s / (s.max() * s.min()).sqrt()
 
 
+def _weight_stat(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Per input channel: the mean over output channels of ``|w|`` relative to its group's largest
+    (AutoAWQ's ``w_mean``, for ``duo`` scaling)."""
+    N, K = w.shape
+    G = _group(group_size, K)
+    a = w.abs().view(N, K // G, G)
+    return (a / (a.amax(-1, keepdim=True) + 1e-6)).view(N, K).mean(0)
+
+
 def _search_scale(group: _Group, x: torch.Tensor, stat: torch.Tensor, quantized: set, group_size: int, dtype,
-                  n_grid: int) -> torch.Tensor:
+                  n_grid: int, duo: bool = False) -> torch.Tensor:
     """The per-channel scale of ``group`` (over its input, or over v's channels for "heads") with the
-    smallest output error of its quantized linears; sets ``group.alpha``, ``loss_rtn``, ``loss``."""
+    smallest output error of its quantized linears; sets ``group.alpha``, ``loss_rtn``, ``loss``.
+    Candidates: ``s = 1`` (round-to-nearest), then ``mean|x|^alpha`` (``duo``: divided by
+    ``w_mean^(1-alpha)``, AutoAWQ's ``duo_scaling``) for ``alpha`` on the grid."""
     w = torch.cat([lin.weight.detach().to(torch.float32) for _, lin in group.linears if id(lin) in quantized])
+    G = _group(group_size, w.shape[1])
+    w_stat = _weight_stat(w, group_size) if duo else None
     if group.fold == "heads":  # one scale per v channel: average the magnitudes of the heads reading it
         stat = stat.view(group.kv_heads, group.rep, group.head_dim).mean(1).reshape(-1)
-    best = None
-    for i in range(n_grid):
-        alpha = i / (n_grid - 1)
-        s = _scale_from(stat, alpha)
+        if w_stat is not None:
+            w_stat = w_stat.view(group.kv_heads, group.rep, group.head_dim).mean(1).reshape(-1)
+
+    def loss_of(s):
         full = _expand(group, s)
-        wq = fake_quantize_awq(w * full, _group(group_size, w.shape[1]), dtype) / full
-        loss = (x @ (wq - w).t()).pow(2).mean().item()
-        if i == 0:
-            group.loss_rtn = loss
-        if best is None or loss < best[0]:
+        delta = fake_quantize_awq(w * full, G, dtype).div_(full).sub_(w)
+        return (x @ delta.t()).pow_(2).mean().item()
+
+    ones = torch.ones_like(stat)
+    group.loss_rtn = loss_of(ones)
+    best = (group.loss_rtn, 0.0, ones)
+    for i in range(1 if w_stat is None else 0, n_grid):  # alpha = 0 without duo is s = 1: done
+        alpha = i / (n_grid - 1)
+        s = _scale_from(stat, alpha, w_stat)
+        loss = loss_of(s)
+        if loss < best[0]:
             best = (loss, alpha, s)
     group.loss, group.alpha = best[0], best[1]
     return best[2]
@@ -332,8 +357,8 @@ def _search_clip(gram: torch.Tensor, weight: torch.Tensor, group_size: int, dtyp
     best_max, best_err = org_max.clone(), torch.full_like(org_max, math.inf)
     for i in range(max(1, int(max_shrink * n_grid))):
         clip = org_max * (1 - i / n_grid)
-        delta = (fake_quantize_awq(w, G, dtype, clip=clip) - w).view(N, ng, G).transpose(0, 1)  # [ng, N, G]
-        err = (torch.bmm(delta, gram) * delta).sum(-1).t()  # [N, ng]
+        delta = fake_quantize_awq(w, G, dtype, clip=clip).sub_(w).view(N, ng, G).transpose(0, 1)  # [ng, N, G]
+        err = torch.bmm(delta, gram).mul_(delta).sum(-1).t()  # [N, ng]
         better = err < best_err
         best_err = torch.where(better, err, best_err)
         best_max = torch.where(better, clip, best_max)
@@ -345,7 +370,7 @@ def _search_clip(gram: torch.Tensor, weight: torch.Tensor, group_size: int, dtyp
 
 def awq_search(model: nn.Module, calibration, linears, group_size: int, *, dtype=torch.float16, tokenizer=None,
                n_grid: int = 20, max_tokens: int = 512, clip: bool = True, max_shrink: float = 0.5,
-               clip_skip=CLIP_SKIP, progress: bool = True) -> AWQSearchResult:
+               clip_skip=CLIP_SKIP, duo: bool = False, progress: bool = True) -> AWQSearchResult:
     """Run the AWQ search on ``model`` (float) for the linears ``linears`` (``[(qualified name,
     nn.Linear)]``, those ``quantize_model`` will quantize with ``group_size`` and scales in
     ``dtype``), folding the scales into the float model in place (its function is kept: only
@@ -362,7 +387,7 @@ def awq_search(model: nn.Module, calibration, linears, group_size: int, *, dtype
     start = time.perf_counter()
     batches = calibration_batches(calibration, tokenizer)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    total = sum(b.numel() for b in batches)
+    total = sum(_tokens(b) for b in batches)
     stride = max(1, math.ceil(total / max_tokens))
     quantized = {id(lin) for _, lin in linears}
     names = {id(lin): name for name, lin in linears}
@@ -426,7 +451,7 @@ def awq_search(model: nn.Module, calibration, linears, group_size: int, *, dtype
         for g in mine:
             rec = inputs[id(g)]
             x = rec.samples().to(torch.float32)
-            s = _search_scale(g, x, rec.mean_abs(), quantized, group_size, dtype, n_grid)
+            s = _search_scale(g, x, rec.mean_abs(), quantized, group_size, dtype, n_grid, duo)
             if g.fold == "activation":  # quantize_model quantizes W·s and puts x·(1/s) before it
                 result.input_scale[id(g.linears[0][1])] = s
             else:

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ..ops.concat_weights import adjacent_view
-from .modules import AWQLinear, W8A8Linear, held_tensors, set_tensors
+from .modules import AWQLinear, W8A8Linear, W8A16Linear, held_tensors, set_tensors
 
 # Sibling names of the projections that read one input, as the models on the Hub name them.
 SHARED_INPUT_NAMES = (
@@ -40,6 +40,7 @@ SHARED_INPUT_NAMES = (
 _N_DIM = {
     W8A8Linear: {"weight": 0, "weight_scale": 0, "bias": 0},
     AWQLinear: {"qweight": 1, "qzeros": 1, "scales": 1, "bias": 0},
+    W8A16Linear: {"weight": 0, "weight_scale": 0, "bias": 0},
 }
 
 

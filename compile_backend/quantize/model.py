@@ -15,7 +15,7 @@ from torch import nn
 from ..ops.awq_gemm import AWQ_PACK
 from .awq_search import AWQSearchResult, InputScaled, awq_search
 from .merged import share_input_storage
-from .modules import AWQLinear, W8A8Linear
+from .modules import AWQLinear, W8A8Linear, W8A16Linear
 from .weights import _awq_groups
 
 
@@ -23,7 +23,7 @@ from .weights import _awq_groups
 class Scheme:
     """How ``quantize_model`` quantizes each linear layer."""
 
-    kind: str  # "w8a8" or "awq"
+    kind: str  # "w8a8", "awq" or "w8a16" (int8 weight-only)
     weight_dtype: torch.dtype = torch.int8
     per_channel: bool = True
     per_token: bool = True
@@ -43,6 +43,7 @@ SCHEMES = {
     "awq-g64": Scheme("awq", group_size=64),
     "awq-g128": Scheme("awq", group_size=128),
     "awq-per-channel": Scheme("awq", group_size=-1),
+    "w8a16": Scheme("w8a16"),  # int8 weight-only, per-channel
 }
 
 
@@ -110,6 +111,8 @@ def _quantize_linear(linear: nn.Linear, scheme: Scheme, dtype, search: AWQSearch
         if scales_dtype != out_dtype:
             layer = layer.to(out_dtype)
         return layer if input_scale is None else InputScaled(layer, input_scale)
+    if scheme.kind == "w8a16":
+        return W8A16Linear.from_linear(linear, per_channel=scheme.per_channel, dtype=out_dtype)
     return W8A8Linear.from_linear(
         linear, weight_dtype=scheme.weight_dtype, per_channel=scheme.per_channel,
         per_token=scheme.per_token, symmetric=scheme.symmetric, out_dtype=out_dtype)
@@ -120,7 +123,8 @@ def quantize_model(model: nn.Module, scheme, *, dtype: torch.dtype = None, skip=
                    awq_options: dict | None = None) -> nn.Module:
     """Replace every ``nn.Linear`` (except names in ``skip``) with its quantized form, in place.
 
-    ``scheme`` is a ``Scheme`` or one of ``SCHEMES``' names.  ``dtype`` is the
+    ``scheme`` is a ``Scheme`` or one of ``SCHEMES``' names (``"w8a16"``: int8 weight-only with
+    per-channel scales, ``W8A16Linear``).  ``dtype`` is the
     activation/output dtype (default: the linear weight's dtype).  AWQ layers of a
     float32 model compute in float16 between casts of their input and output, so that
     they take and give float32 like the layers around them.  Returns the model.

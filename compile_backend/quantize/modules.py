@@ -12,8 +12,11 @@ layers for them with round-to-nearest quantization (``weights.py``).
   and rounded once to the output dtype.
 * ``AWQLinear``: AWQ-format ``qweight``/``qzeros``/``scales`` (docs/DESIGN.md's bit
   order), group sizes 32/64/128 or per-channel (group = K), optional bias.
+* ``W8A16Linear``: int8 weight-only (W8A16): an int8 weight ``[N, K]`` with a per-channel (or
+  per-tensor) scale in float32 or the activation dtype, activations left in float; the forward is
+  ``F.linear(x, w_q · s, bias)``, the form ``passes/w8a16_gemm.py`` fuses into ``w8a16_gemm``.
 
-Both hold their tensors as frozen parameters (``requires_grad=False``): guard evaluation skips
+They hold their tensors as frozen parameters (``requires_grad=False``): guard evaluation skips
 a quantized layer as it skips an ``nn.Linear``, which matters per decode step (docs/DESIGN.md,
 "Guards").  They are ``HeldParameter``s, whose ``.data`` shares the version counter, so that the
 cache of values derived from weights sees writes through ``.data`` (``compile_backend/derived/held_parameter.py``);
@@ -32,6 +35,7 @@ from ..ops.awq_gemm import AWQ_PACK, awq_unpack
 from ..ops.library import OUT_DTYPES
 from ..ops.quantize_per_token import X_DTYPES, activation_params, quantize_per_token, quantize_with
 from ..ops.scaled_mm_azp import azp_operands
+from ..ops.w8a16_gemm import W8A16_ACT_DTYPES
 from .weights import quantize_weight_awq, quantize_weight_fp8, quantize_weight_int8
 
 # --------------------------------------------------------------------------- held tensors
@@ -66,8 +70,9 @@ def _keep_held(module: nn.Module, before: dict) -> None:
 
 
 def set_tensors(module: nn.Module, **tensors: torch.Tensor | None) -> nn.Module:
-    """Replace tensors a ``W8A8Linear`` / ``AWQLinear`` holds (``weight=...``, ``scales=...``)
-    without copying them; each is kept as a frozen parameter (see the module doc).  Returns
+    """Replace tensors a quantized module (``W8A8Linear``, ``AWQLinear``, ``W8A16Linear``) holds
+    (``weight=...``, ``scales=...``) without copying them; each is kept as a frozen parameter (see
+    the module doc).  Returns
     ``module``.  A name the module does not hold raises ``KeyError``."""
     for name, t in tensors.items():
         if name not in module._parameters:
@@ -500,3 +505,144 @@ class AWQLinear(_HoldsTensors):
         return (f"{self.in_features}, {self.out_features}, group_size={self.group_size}, "
                 f"dtype={self.scales.dtype}{out}, bias={self.bias is not None}"
                 + (", act_order=True" if self.perm is not None else ""))
+
+
+# --------------------------------------------------------------------------- W8A16
+
+
+class W8A16Linear(_HoldsTensors):
+    """y = x @ (w_q · s)ᵀ + bias: int8 weight-only (W8A16), computed in the activation dtype.
+
+    ``weight`` int8 ``[N, K]``; ``weight_scale`` ``[N]`` (``per_channel``) or one element
+    (per-tensor), in float32 or the activation dtype; ``bias`` ``[N]`` in the activation dtype
+    ``out_dtype`` (float16, bfloat16 or float32; an input in another dtype is cast to it).
+    ``forward`` writes ``F.linear(x, W, bias)`` with ``W = w_q · s`` computed in float32 and rounded
+    once to ``out_dtype`` (``dequantized_weight``): the form ``passes/w8a16_gemm.py`` fuses into
+    ``quantfuse::w8a16_gemm``, which applies the scale to the float32 sums instead of the weight
+    (docs/DESIGN.md, "The ops"), so the fused result differs from the form by the form's rounding
+    of each weight element.  In eager CUDA inference ``forward`` calls that op itself
+    (``calls_op_eagerly``).
+
+    Dtype conversions (``.to(dtype)``, ``.half()``, ``.bfloat16()``, ``.float()``) change the
+    activation dtype: ``out_dtype`` and ``bias`` follow it, the int8 ``weight`` keeps its dtype, a
+    float32 ``weight_scale`` stays float32, and a scale held in the former activation dtype
+    becomes float32 (exactly; never rounded to the new dtype).  A dtype the op does not take
+    (``.double()``) leaves the layer computing the form in it, unfused.  Device moves move
+    everything.
+    """
+
+    out_dtype = _dtype_attribute("out_dtype", "the activation, output and bias dtype")
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool = True, per_channel: bool = True,
+                 dtype: torch.dtype = torch.bfloat16, scale_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        for name, value in (("in_features", in_features), ("out_features", out_features)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"W8A16Linear: {name} {value!r}; expected a positive integer")
+        if dtype not in W8A16_ACT_DTYPES:
+            raise ValueError(f"W8A16Linear: dtype {dtype}; expected torch.float16, torch.bfloat16 or torch.float32")
+        if scale_dtype not in (torch.float32, dtype):
+            raise ValueError(f"W8A16Linear: scale_dtype {scale_dtype}; expected torch.float32 or the activation "
+                             f"dtype {dtype}")
+        self.in_features, self.out_features, self.per_channel = in_features, out_features, bool(per_channel)
+        self.out_dtype = dtype
+        for name, t in (("weight", torch.zeros(out_features, in_features, dtype=torch.int8)),
+                        ("weight_scale", torch.ones(out_features if per_channel else (), dtype=scale_dtype)),
+                        ("bias", torch.zeros(out_features, dtype=dtype) if bias else None)):
+            self.register_parameter(name, _frozen(t))
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, per_channel: bool = True, dtype: torch.dtype | None = None):
+        """Symmetric round-to-nearest int8 of ``linear``'s weight (``quantize_weight_int8``: float32
+        scales, per output channel or per tensor); ``dtype``: the activation dtype (default: the
+        linear's)."""
+        dtype = dtype or linear.weight.dtype
+        mod = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, per_channel=per_channel,
+                  dtype=dtype)
+        q, s = quantize_weight_int8(linear.weight, per_channel=per_channel)
+        mod.weight.copy_(q)
+        mod.weight_scale.copy_(s)
+        if linear.bias is not None:
+            mod.bias.copy_(linear.bias.detach().to(dtype))
+        return mod.to(linear.weight.device)
+
+    @classmethod
+    def from_state_dict(cls, state: dict, prefix: str = "", dtype: torch.dtype | None = None):
+        """Build from a state dict of ``weight`` (int8 ``[N, K]``), ``weight_scale`` (N elements, ``[N]`` or
+        ``[N, 1]``, or one element; float32, float16 or bfloat16) and an optional ``bias`` ``[N]``.
+
+        ``dtype``: the activation dtype; default the bias's, else a float16 / bfloat16 scale's, else
+        bfloat16.  A scale in neither float32 nor ``dtype`` is held in float32 (exact); the bias is
+        converted to ``dtype``.  Malformed entries raise ``ValueError`` naming the key, a missing one
+        ``KeyError``.  The module is built on the weight's device.
+        """
+        keys = {k: prefix + k for k in ("weight", "weight_scale", "bias")}
+        try:
+            weight, scale = state[keys["weight"]], state[keys["weight_scale"]]
+        except KeyError as exc:
+            raise KeyError(f"W8A16Linear.from_state_dict: missing {exc.args[0]!r} in the state dict") from None
+
+        def bad(key, t, expected):
+            raise ValueError(f"W8A16Linear.from_state_dict: {keys[key]!r} has shape {tuple(t.shape)}, dtype {t.dtype}; "
+                             f"expected {expected}")
+
+        if weight.dim() != 2 or weight.dtype != torch.int8 or 0 in weight.shape:
+            bad("weight", weight, "a non-empty 2-D int8 tensor [N, K]")
+        N, K = weight.shape
+        per_channel = tuple(scale.shape) in ((N,), (N, 1))
+        if scale.dtype not in (torch.float32, torch.float16, torch.bfloat16) or not (per_channel or scale.numel() == 1):
+            bad("weight_scale", scale, f"a float32, float16 or bfloat16 tensor of N = {N} elements ([N] or [N, 1]) "
+                                       "or of one element")
+        bias = state.get(keys["bias"])
+        if bias is not None and (bias.dim() != 1 or bias.shape[0] != N or not bias.is_floating_point()):
+            bad("bias", bias, f"a 1-D floating-point tensor of N = {N} elements")
+        if dtype is None:
+            dtype = (bias.dtype if bias is not None else
+                     scale.dtype if scale.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16)
+        scale_dtype = scale.dtype if scale.dtype in (torch.float32, dtype) else torch.float32
+        with torch.device(weight.device):
+            mod = cls(K, N, bias=bias is not None, per_channel=per_channel, dtype=dtype, scale_dtype=scale_dtype)
+        tensors = dict(weight=weight, weight_scale=scale.reshape(mod.weight_scale.shape).to(scale_dtype))
+        if bias is not None:
+            tensors["bias"] = bias.to(dtype)
+        mod.load_state_dict(tensors)
+        return mod
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """``[N, K]`` weight in ``out_dtype``: ``w_q · s`` in float32, rounded once."""
+        # A half scale is widened by type promotion, not by a cast of its own: the compiled graph's op
+        # then reads the held scale itself (one the horizontal pass can concatenate), not a float32
+        # copy made on every call.
+        return (self.weight.to(torch.float32) * self.weight_scale.reshape(-1, 1)).to(getattr(torch, self._out_dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = getattr(torch, self._out_dtype)  # not the property: see _dtype_attribute
+        if x.dtype != dtype:
+            x = x.to(dtype)
+        if (not torch.compiler.is_compiling() and calls_op_eagerly(x) and dtype in W8A16_ACT_DTYPES
+                and self.weight_scale.dtype in (torch.float32, dtype)
+                and (self.bias is None or self.bias.dtype == dtype)):
+            return self.forward_op(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
+        return F.linear(x, self.dequantized_weight(), self.bias)
+
+    def forward_op(self, x2: torch.Tensor) -> torch.Tensor:
+        """``forward`` of ``[M, K]`` activations in ``out_dtype`` through ``quantfuse::w8a16_gemm`` (the
+        scale flattened, the bias folded in), as the pass fuses the form."""
+        return torch.ops.quantfuse.w8a16_gemm(x2, self.weight, self.weight_scale.reshape(-1), self.bias)
+
+    def _apply(self, fn, recurse=True):
+        target = _target(fn, torch.empty(0, dtype=self.out_dtype, device=self.weight.device)).dtype
+        floating = target.is_floating_point
+        _apply_keeping_dtypes(self, fn, recurse, ("weight", "weight_scale") if floating else
+                              ("weight", "weight_scale", "bias"))
+        if floating:
+            scale = self.weight_scale
+            if scale is not None and scale.dtype not in (torch.float32, target):
+                self.weight_scale = scale.to(torch.float32)  # exact; rounding it to target would not be
+            self.out_dtype = target
+        return self
+
+    def extra_repr(self) -> str:
+        scale = "" if self.weight_scale.dtype == torch.float32 else f", scale_dtype={self.weight_scale.dtype}"
+        return (f"{self.in_features}, {self.out_features}, per_channel={self.per_channel}, "
+                f"dtype={self.out_dtype}{scale}, bias={self.bias is not None}")

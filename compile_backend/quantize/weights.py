@@ -53,14 +53,15 @@ def _awq_round_groups(w: torch.Tensor, dtype):
     """Round-to-nearest of ``quantize_weight_awq`` over groups along the last dimension of ``w``
     (float32 ``[..., G]``): ``(q [..., G], zeros [...], scales [...] in dtype)``, q and zeros as
     float32 integers in [0, 15]."""
-    wmin, wmax = w.amin(dim=-1), w.amax(dim=-1)
+    wmin, wmax = torch.aminmax(w, dim=-1)
     lo, hi = wmin.clamp(max=0), wmax.clamp(min=0)
     constant = wmin == wmax
     scale = torch.where(constant, wmax.abs(), (hi - lo) / 15)
     scales = scale.to(dtype).clamp(min=torch.finfo(dtype).tiny)
     s = scales.to(torch.float32)
     zeros = torch.round(-lo / s).clamp(0, 15)
-    q = torch.round(w / s.unsqueeze(-1) + zeros.unsqueeze(-1)).clamp(0, 15)
+    # round(w / s + z) clamped, in place on one temporary (the AWQ search calls this per candidate)
+    q = (w / s.unsqueeze(-1)).add_(zeros.unsqueeze(-1)).round_().clamp_(0, 15)
     return q, zeros, scales
 
 
@@ -122,5 +123,5 @@ def fake_quantize_awq(weight: torch.Tensor, group_size: int, dtype=torch.float16
     Any N; leading dimensions of ``weight`` beyond ``[N, K]`` are not taken."""
     N, K = weight.shape
     q, zeros, scales = _awq_round_groups(_awq_groups(weight, group_size, clip, "fake_quantize_awq"), dtype)
-    w = ((q - zeros.unsqueeze(-1)) * scales.to(torch.float32).unsqueeze(-1)).to(dtype)
+    w = q.sub_(zeros.unsqueeze(-1)).mul_(scales.to(torch.float32).unsqueeze(-1)).to(dtype)
     return w.to(torch.float32).reshape(N, K)

