@@ -382,7 +382,9 @@ def awq_search(model: nn.Module, calibration, linears, group_size: int, *, dtype
     how far clipping may go (0.5: down to half the group's largest magnitude).  ``max_tokens``:
     token rows sampled per input for the searches (the channel magnitudes use every token).
     ``clip=False`` skips the clipping search; ``clip_skip``: names (last part) of linears not
-    clipped.  ``progress``: one line per decoder layer on stderr.
+    clipped.  ``duo``: candidates ``mean|x|^alpha / w_mean^(1-alpha)`` (AutoAWQ's ``duo_scaling``;
+    on SmolLM2 neither form is consistently better).  ``progress``: one line per decoder layer on
+    stderr.
     """
     start = time.perf_counter()
     batches = calibration_batches(calibration, tokenizer)

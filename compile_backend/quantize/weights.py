@@ -18,12 +18,17 @@ def awq_pack(values: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"awq_pack: 'values' has shape {tuple(values.shape)}; expected [R, N] with N % 8 == 0")
     if values.numel() and (values.min() < 0 or values.max() > 15):
         raise ValueError("awq_pack: 'values' must lie in [0, 15]")
-    v = values.to(torch.int64).reshape(values.shape[0], -1, AWQ_PACK)
-    shifts = torch.tensor(AWQ_SHIFTS, dtype=torch.int64, device=values.device)
-    packed = (v << shifts).sum(-1)  # nibbles do not overlap, so the sum is an OR
-    # Reinterpret the unsigned 32-bit pattern as int32.
-    packed = torch.where(packed >= 2**31, packed - 2**32, packed)
-    return packed.to(torch.int32)
+    return _pack_nibbles(values)
+
+
+def _pack_nibbles(values: torch.Tensor) -> torch.Tensor:
+    """``awq_pack`` without the checks (values known to be ints in [0, 15], N % 8 == 0)."""
+    v = values.to(torch.int64).view(values.shape[0], -1, AWQ_PACK)
+    packed = v[..., 0] << AWQ_SHIFTS[0]
+    for i in range(1, AWQ_PACK):
+        packed |= v[..., i] << AWQ_SHIFTS[i]
+    # Reinterpret the unsigned 32-bit pattern as int32 (subtract 2^32 where bit 31 is set).
+    return (packed - ((packed >> 31) << 32)).to(torch.int32)
 
 
 def awq_unpack_values(packed: torch.Tensor) -> torch.Tensor:
@@ -110,8 +115,8 @@ def quantize_weight_awq(weight: torch.Tensor, group_size: int, dtype=torch.float
     if not torch.isfinite(scales).all():
         raise ValueError(f"quantize_weight_awq: weight values up to {w.abs().max().item():.4g} need scales "
                          f"beyond {dtype}'s range")
-    qweight = awq_pack(q.reshape(N, K).t().to(torch.int32))
-    qzeros = awq_pack(zeros.t().to(torch.int32))
+    qweight = _pack_nibbles(q.reshape(N, K).t().to(torch.int32))
+    qzeros = _pack_nibbles(zeros.t().to(torch.int32))
     return qweight, qzeros, scales.t().contiguous()
 
 
