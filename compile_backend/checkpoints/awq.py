@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..quantize.modules import AWQLinear
-from .common import LayerPlan, UnsupportedCheckpointError, unsupported
+from .common import LayerPlan, UnsupportedCheckpointError, check_layer_tensors, unsupported
 
 LAYER_TENSORS = {"qweight", "qzeros", "scales", "bias", "g_idx"}
 
@@ -49,12 +49,7 @@ class AWQFormat:
     def plan(self, name: str, linear: nn.Linear, tensors: dict[str, str], dtype: torch.dtype) -> LayerPlan | None:
         if "qweight" not in tensors:
             return None
-        for suffix in sorted(set(tensors) - LAYER_TENSORS):
-            raise UnsupportedCheckpointError(
-                f"checkpoint tensor {tensors[suffix]!r}: an AWQ gemm layer holds only {sorted(LAYER_TENSORS)}")
-        for suffix in ("qzeros", "scales"):
-            if suffix not in tensors:
-                raise UnsupportedCheckpointError(f"checkpoint tensor {name}.{suffix} is missing (AWQ layer {name!r})")
+        check_layer_tensors(name, tensors, LAYER_TENSORS, ("qzeros", "scales"), "an AWQ gemm layer", "AWQ")
         K, N = linear.in_features, linear.out_features
         group = K if self.group_size == -1 else self.group_size
         act = dtype if dtype in (torch.float16, torch.bfloat16) else torch.float16

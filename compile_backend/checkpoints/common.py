@@ -85,6 +85,28 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch
           "half": torch.float16, "float": torch.float32}
 
 
+def check_layer_tensors(name: str, tensors: dict[str, str], allowed: set, required, layer: str, kind: str) -> None:
+    """A quantized layer's checkpoint tensors (suffix -> key): none beyond ``allowed``, every one of
+    ``required``; ``layer`` and ``kind`` name the format in the messages."""
+    for suffix in sorted(set(tensors) - allowed):
+        raise UnsupportedCheckpointError(f"checkpoint tensor {tensors[suffix]!r}: {layer} holds only {sorted(allowed)}")
+    for suffix in required:
+        if suffix not in tensors:
+            raise UnsupportedCheckpointError(f"checkpoint tensor {name}.{suffix} is missing ({kind} layer {name!r})")
+
+
+def half_scales(key: str, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """AWQ-layout scales in float16 / bfloat16 as ``AWQLinear`` holds them: kept when they are, else
+    rounded to ``dtype`` when that is one, else refused naming the checkpoint tensor."""
+    if scales.dtype in (torch.float16, torch.bfloat16):
+        return scales
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise UnsupportedCheckpointError(
+            f"checkpoint tensor {key!r} is {scales.dtype}; AWQLinear holds float16 or "
+            "bfloat16 scales: pass dtype=torch.float16 or torch.bfloat16 to round them to it")
+    return scales.to(dtype)
+
+
 def parse_dtype(value, what: str) -> torch.dtype:
     if isinstance(value, torch.dtype):
         dtype = value

@@ -61,7 +61,7 @@ from torch import nn
 
 from ..quantize.modules import AWQLinear, W8A16Linear, set_tensors
 from ..quantize.weights import awq_pack
-from .common import LayerPlan, UnsupportedCheckpointError, check_tensor, unsupported
+from .common import LayerPlan, UnsupportedCheckpointError, check_layer_tensors, check_tensor, half_scales, unsupported
 from .pack_quantized import unpack_rows
 
 LAYER_TENSORS = {"qweight", "qzeros", "scales", "g_idx", "bias"}
@@ -159,12 +159,7 @@ class GPTQFormat:
     def plan(self, name: str, linear: nn.Linear, tensors: dict[str, str], dtype: torch.dtype) -> LayerPlan | None:
         if "qweight" not in tensors:
             return None
-        for suffix in sorted(set(tensors) - LAYER_TENSORS):
-            raise UnsupportedCheckpointError(
-                f"checkpoint tensor {tensors[suffix]!r}: a GPTQ layer holds only {sorted(LAYER_TENSORS)}")
-        for suffix in ("qzeros", "scales"):
-            if suffix not in tensors:
-                raise UnsupportedCheckpointError(f"checkpoint tensor {name}.{suffix} is missing (GPTQ layer {name!r})")
+        check_layer_tensors(name, tensors, LAYER_TENSORS, ("qzeros", "scales"), "a GPTQ layer", "GPTQ")
         if self.bits == 8:
             return self._plan_int8(name, linear, tensors, dtype)
         if self.desc_act and "g_idx" not in tensors:
@@ -186,12 +181,7 @@ class GPTQFormat:
             qzeros = check_tensor(tensors["qzeros"], t["qzeros"], dtypes=(torch.int32,), shapes=[(K // group, N // 8)])
             scales = check_tensor(tensors["scales"], t["scales"], dtypes=(*HALF, torch.float32),
                                   shapes=[(K // group, N)])
-            if scales.dtype not in HALF:
-                if dtype not in HALF:
-                    raise UnsupportedCheckpointError(
-                        f"checkpoint tensor {tensors['scales']!r} is {scales.dtype}; AWQLinear holds float16 or "
-                        "bfloat16 scales: pass dtype=torch.float16 or torch.bfloat16 to round them to it")
-                scales = scales.to(dtype)
+            scales = half_scales(tensors["scales"], scales, dtype)
             q = unpack_rows(qweight.t().contiguous()).t()  # [K, N]: row 8r + j from bits 4j of qweight[r]
             z = unpack_rows(v1_to_v2_zeros(qzeros, 4) if self.v1 else qzeros)  # [K/G, N]
             perm = None

@@ -19,7 +19,7 @@ from torch import nn
 
 from ..quantize.modules import AWQLinear
 from ..quantize.weights import awq_pack
-from .common import LayerPlan, UnsupportedCheckpointError, check_tensor, unsupported
+from .common import LayerPlan, UnsupportedCheckpointError, check_tensor, half_scales, unsupported
 
 HALF = (torch.float16, torch.bfloat16)
 SHIFTS = tuple(range(0, 32, 4))
@@ -84,12 +84,7 @@ def plan(name: str, linear: nn.Linear, tensors: dict[str, str], g, dtype: torch.
                                              f"the model's {name!r} is [{N}, {K}]")
         scale = check_tensor(tensors["weight_scale"], t["weight_scale"], shapes=[(N, K // group)],
                              dtypes=(*HALF, torch.float32))
-        if scale.dtype not in HALF:
-            if dtype not in HALF:
-                raise UnsupportedCheckpointError(
-                    f"checkpoint tensor {tensors['weight_scale']!r} is {scale.dtype}; AWQLinear holds float16 or "
-                    "bfloat16 scales: pass dtype=torch.float16 or torch.bfloat16 to round them to it")
-            scale = scale.to(dtype)
+        scale = half_scales(tensors["weight_scale"], scale, dtype)
         q = unpack_rows(packed)  # [N, K], the +8 offset kept: AWQ's unsigned nibbles
         if s["symmetric"]:
             z = torch.full((K // group, N), 8, dtype=torch.int32, device=q.device)

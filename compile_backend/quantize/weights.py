@@ -28,7 +28,7 @@ def _pack_nibbles(values: torch.Tensor) -> torch.Tensor:
     for i in range(1, AWQ_PACK):
         packed |= v[..., i] << AWQ_SHIFTS[i]
     # Reinterpret the unsigned 32-bit pattern as int32 (subtract 2^32 where bit 31 is set).
-    return (packed - ((packed >> 31) << 32)).to(torch.int32)
+    return (packed - ((packed >> 31) << 32)).to(torch.int32).contiguous()
 
 
 def awq_unpack_values(packed: torch.Tensor) -> torch.Tensor:
