@@ -2,7 +2,10 @@
 
 The model is ``transformers.LlamaForCausalLM`` built from a ``LlamaConfig`` with Llama-3-8B shapes by
 default (hidden 4096, intermediate 14336, 32 heads / 8 KV heads, vocab 128256, rope theta 500000;
-``--layers``), random weights (fixed seed), nothing downloaded.  Configs (``--configs``):
+``--layers``), random weights (fixed seed), nothing downloaded.  ``--model llama-3-70b``: Llama-3-70B's
+shapes (hidden 8192, intermediate 28672, 64 heads / 8 KV heads, 80 layers), built layer by layer
+(``--layerwise``: each decoder layer made on the device and quantized before the next, so a dense model
+is never whole on the GPU).  Configs (``--configs``):
 
 * ``fp16``, ``bf16``            the dense model under Inductor
 * ``awq-g128``, ``int8``, ...   ``quantize_model(model, scheme)`` (any name in ``SCHEMES``; lm_head stays
@@ -24,7 +27,10 @@ Two paths, each compiled with ``mode="reduce-overhead"`` (CUDA graphs):
 Per config, path and batch (``--batch``): tok/s (batch x steps/s), wall ms per decode step, GPU ms per
 step (sum of the profiler's device-side time over the profiled steps / steps; for ``generate`` the
 difference of two generate calls of different lengths, so the prefill cancels), host ms per step (wall -
-GPU), compile time (first call - steady-state call), peak memory, fused subgraphs
+GPU), compile time (first call - steady-state call), peak memory beside the weights, the bytes floor (the
+bytes a step must read: every weight but the embedding table, its rows, the KV cache up to the mean
+position of the timed steps; over the bandwidth of a device-to-device copy measured in the same run) and
+floor / GPU time, fused subgraphs
 (``compile_backend.passes.collecting_report`` around the compiling call).  Accuracy: relative L2 error of
 the compiled model's logits against the same model in eager on the same input, for the first decode
 steps (teacher-forced, batch ``--batch``'s first) and for the prefill's last-token logits.
@@ -66,6 +72,10 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 DEFAULT_CONFIGS = "fp16,bf16,awq-g128,int8,int8-asym,fp8-rowwise"
+MODELS = {
+    "llama-3-8b": dict(layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8),
+    "llama-3-70b": dict(layers=80, hidden=8192, intermediate=28672, heads=64, kv_heads=8),
+}
 DENSE = {"fp16": torch.float16, "bf16": torch.bfloat16}
 PATHS = ("loop", "generate")
 DTYPES = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -89,6 +99,11 @@ def parse_args(argv=None):
                     help="add <scheme>@inductor for every quantized config")
     ap.add_argument("--paths", default="loop,generate", help="comma list of loop and generate")
     ap.add_argument("--batch", default="1,8", help="decode batch sizes")
+    ap.add_argument("--model", default="llama-3-8b", choices=sorted(MODELS),
+                    help="the shapes' defaults (each overridden by its own option)")
+    ap.add_argument("--layerwise", action="store_true",
+                    help="build decoder layers one at a time, quantizing each before the next (default for "
+                         "llama-3-70b)")
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default 32; --quick 2)")
     ap.add_argument("--hidden", type=int, default=None, help="default 4096 (CPU --quick: 256)")
     ap.add_argument("--intermediate", type=int, default=None, help="default 14336 (CPU --quick: 512)")
@@ -125,9 +140,11 @@ def parse_args(argv=None):
 
     cpu = args.device == "cpu"
     tiny = cpu and args.quick  # 8B shapes on a CPU would take minutes per step
-    defaults = dict(layers=2 if args.quick else 32, hidden=256 if tiny else 4096,
-                    intermediate=512 if tiny else 14336, heads=4 if tiny else 32, kv_heads=2 if tiny else 8,
-                    vocab=1024 if tiny else 128256,
+    shapes = MODELS[args.model]
+    args.layerwise = args.layerwise or args.model == "llama-3-70b"
+    defaults = dict(layers=2 if args.quick else shapes["layers"], hidden=256 if tiny else shapes["hidden"],
+                    intermediate=512 if tiny else shapes["intermediate"], heads=4 if tiny else shapes["heads"],
+                    kv_heads=2 if tiny else shapes["kv_heads"], vocab=1024 if tiny else 128256,
                     context=32 if args.quick else 512, steps=16 if args.quick else 128,
                     warmup=3 if args.quick else 5, prof_steps=8 if args.quick else 32,
                     prompt_len=(64 if cpu else 256) if args.quick else 2048, ttft_reps=3 if args.quick else 5,
@@ -321,8 +338,10 @@ def profile_diff(short: dict, long: dict, steps: int, key: str, top: int = 15) -
 # --------------------------------------------------------------------------- model
 
 
-def build_model(args, dtype: torch.dtype, device: str):
-    """A LlamaForCausalLM with random weights (fixed seed), built directly on ``device`` in ``dtype``."""
+def build_model(args, dtype: torch.dtype, device: str, scheme: str | None = None):
+    """A LlamaForCausalLM with random weights (fixed seed), built directly on ``device`` in ``dtype``;
+    with ``args.layerwise``, its decoder layers made one at a time and each quantized with ``scheme``
+    (when given) before the next is made."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     need = max(args.context + args.steps + args.warmup + args.prof_steps + args.acc_steps + args.gen_short,
@@ -340,8 +359,11 @@ def build_model(args, dtype: torch.dtype, device: str):
     # Constructing on the device in the target dtype: no CPU init, no fp32 copy of 16 GB.
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):
-            model = LlamaForCausalLM(cfg)
+        if args.layerwise:
+            model = _build_layerwise(cfg, device, scheme)
+        else:
+            with torch.device(device):
+                model = LlamaForCausalLM(cfg)
     finally:
         torch.set_default_dtype(old)
     model.eval().requires_grad_(False)
@@ -349,6 +371,69 @@ def build_model(args, dtype: torch.dtype, device: str):
     # Greedy, no EOS: every generate call produces exactly max_new_tokens.
     gc_.do_sample, gc_.eos_token_id, gc_.pad_token_id, gc_.bos_token_id = False, None, 0, None
     return model
+
+
+def _build_layerwise(cfg, device: str, scheme: str | None):
+    """The model's skeleton on the meta device, then each part made on ``device`` (the default dtype), a
+    decoder layer quantized as soon as it is made: the dense weights of one layer at a time."""
+    from torch import nn
+    from transformers import LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    with torch.device(device):
+        inner = model.model
+        inner.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, cfg.pad_token_id)
+        inner.norm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        inner.rotary_emb = LlamaRotaryEmbedding(config=cfg)
+        model.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        for i in range(cfg.num_hidden_layers):
+            layer = LlamaDecoderLayer(cfg, layer_idx=i).requires_grad_(False)
+            if scheme:
+                from compile_backend.quantize import quantize_model
+
+                with torch.no_grad():
+                    quantize_model(layer, scheme)
+            inner.layers[i] = layer
+            if (i + 1) % 10 == 0 or i + 1 == cfg.num_hidden_layers:
+                log(f"  built {i + 1}/{cfg.num_hidden_layers} layers"
+                    + (f" ({torch.cuda.memory_allocated() / 1e9:.1f} GB allocated)" if device == "cuda" else ""))
+    meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if meta:
+        raise RuntimeError(f"bench_e2e: the layer-wise build left tensors on the meta device: {meta[:5]}")
+    return model
+
+
+def copy_bandwidth(device: str) -> float | None:
+    """Bytes per second a device-to-device copy of 1 GiB reaches (read + write), median of 5."""
+    if device != "cuda":
+        return None
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(7):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * (1 << 30) / median(times[2:])
+
+
+def step_bytes(model, batch: int, positions: float) -> int:
+    """Bytes one decode step must read: every parameter and buffer but the embedding table, the
+    embedding rows of its tokens, and the KV cache up to ``positions``."""
+    embed = model.get_input_embeddings().weight
+    total = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()] if t is not embed)
+    total += batch * embed.shape[1] * embed.element_size()
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv = c.num_hidden_layers * 2 * batch * c.num_key_value_heads * head_dim * positions * embed.element_size()
+    return int(total + kv)
 
 
 def model_gb(model) -> float:
@@ -442,7 +527,7 @@ def _loop_decode(model, step_fn, ck, B, cfg, args, r, timer, accuracy: bool):
         r["max_cache_len"] = max_len
         pos = torch.full((B, 1), args.context, device=dev, dtype=torch.long)
         peak_reset(dev)
-        errs = []
+        errs, same = [], []
         with FusedCount() as fc:
             logits, t_first = timer(lambda: call(step_fn, forced[0], pos))
         r["first_call_s"] = t_first
@@ -458,9 +543,11 @@ def _loop_decode(model, step_fn, ck, B, cfg, args, r, timer, accuracy: bool):
                     r["second_call_s"] = dt  # CUDA-graph recording under reduce-overhead
             if accuracy:
                 errs.append(rel_err(logits.float(), ref[i]))
+                same.append(bool(torch.equal(logits[:, -1].argmax(-1), ref[i][:, -1].argmax(-1))))
         if accuracy:
             r["logits_rel_err_steps"] = errs
             r["logits_rel_err"] = max(errs)
+            r["tokens_equal_eager"] = all(same)
         tok = logits[:, -1].argmax(-1, keepdim=True)
         del ref
 
@@ -488,6 +575,15 @@ def _loop_decode(model, step_fn, ck, B, cfg, args, r, timer, accuracy: bool):
             r["gpu_ms_per_step"] = prof["gpu_ms_per_step"]
             r["host_ms_per_step"] = r["wall_ms_per_step"] - prof["gpu_ms_per_step"]
             log(f"  GPU {r['gpu_ms_per_step']:.2f} ms/step, host {r['host_ms_per_step']:.2f} ms/step")
+            bw = args.copy_bandwidth
+            if bw:
+                # The profiled steps read the cache up to their mean position.
+                mean_pos = float(pos.float().mean()) - args.prof_steps / 2
+                r["bytes_per_step"] = step_bytes(model, B, mean_pos)
+                r["floor_ms"] = r["bytes_per_step"] / bw * 1e3
+                r["floor_over_gpu"] = r["floor_ms"] / r["gpu_ms_per_step"]
+                log(f"  floor {r['floor_ms']:.2f} ms ({r['bytes_per_step'] / 1e9:.2f} GB at {bw / 1e12:.2f} TB/s), "
+                    f"floor / GPU {r['floor_over_gpu']:.2f}")
 
 
 def _loop_prefill(model, cfg, args, r, timer, ck, StaticCache):
@@ -711,8 +807,8 @@ def run_config(name: str, args, results: dict, state: dict):
     try:
         log(f"=== {name}: building the model ({args.layers} layers, {cfg['dtype']})")
         timer = Timer(dev)
-        model, res["build_s"] = timer(lambda: build_model(args, cfg["dtype"], dev))
-        if cfg["scheme"]:
+        model, res["build_s"] = timer(lambda: build_model(args, cfg["dtype"], dev, cfg["scheme"]))
+        if cfg["scheme"] and not args.layerwise:
             from compile_backend.quantize import quantize_model
 
             with torch.no_grad():
@@ -792,6 +888,9 @@ def main(argv=None):
     # Batch sizes and the prefill compile separately (dynamic=False); keep them all.
     torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
 
+    args.copy_bandwidth = copy_bandwidth(args.device)
+    if args.copy_bandwidth:
+        log(f"device-to-device copy: {args.copy_bandwidth / 1e12:.2f} TB/s (the floor's bandwidth)")
     results = {"meta": environment(args), "configs": {}}
     results["meta"]["runs"] = [dict(results["meta"])]
 
@@ -970,24 +1069,36 @@ def render_md(results) -> str:
                 f"`{a['mode']}`. tok/s = batch x steps/s. GPU = profiler device time per step; host = wall - "
                 f"GPU. x fp16 = tok/s over `{BASELINE}`'s of the same run, path and batch. Errors: relative L2 of the "
                 "logits against the same model in eager.\n")
+    bw = a.get("copy_bandwidth")
+    if bw:
+        head.append(f"Floor: the bytes a step must read (weights but the embedding table, its rows, the KV cache) "
+                    f"over the device-to-device copy bandwidth of the run ({bw / 1e12:.2f} TB/s in run "
+                    f"{run_no[m['run_id']]}); floor / GPU = that time over the GPU time. Peak / weights: peak memory "
+                    "through the loop over the model's weights.\n")
     out = head + ["| config | path | batch | tok/s | x fp16 | wall ms/step | GPU ms/step | host ms/step | "
-                  "compile s | peak GB | fused | logits err | run |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "floor ms | floor / GPU | compile s | peak GB | peak / weights | fused | logits err | run |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, path, batch, r in _decode_rows(results):
         run = run_no.get(r.get("run", m["run_id"]), "?")
         if "skipped" in r or "error" in r and "tok_per_s" not in r:
             note = r.get("skipped") or r.get("error", "")
-            out.append(f"| {name} | {path} | {batch} | {_md_cell(note, 80)} | | | | | | | | | {run} |")
+            out.append(f"| {name} | {path} | {batch} | {_md_cell(note, 80)} | | | | | | | | | | | | {run} |")
             continue
         base = _baseline(results, path, batch, r)
         tps = r.get("tok_per_s")
         fused = r.get("fusion", {})
         fused_s = f"{fused.get('fused', '-')}" + (f" ({fused['unfused']} not)" if fused.get("unfused") else "")
+        weights = results["configs"][name].get("weights_gb")
+        equal = r.get("tokens_equal_eager")
+        tokens_note = "" if equal is None else " (tokens = eager)" if equal else " (tokens differ)"
+        peak = r.get("peak_gb")
         out.append(f"| {name} | {path} | {batch} | {_fmt(tps, '.1f')} | "
                    f"{_fmt(tps / base if tps and base else None, '.2f')} | {_fmt(r.get('wall_ms_per_step'))} | "
                    f"{_fmt(r.get('gpu_ms_per_step'))} | {_fmt(r.get('host_ms_per_step'))} | "
-                   f"{_fmt(r.get('compile_s'), '.1f')} | {_fmt(r.get('peak_gb'), '.1f')} | {fused_s} | "
-                   f"{_fmt(r.get('logits_rel_err'), '.2e')} | {run} |")
+                   f"{_fmt(r.get('floor_ms'))} | {_fmt(r.get('floor_over_gpu'))} | "
+                   f"{_fmt(r.get('compile_s'), '.1f')} | {_fmt(peak, '.2f')} | "
+                   f"{_fmt(peak / weights if peak and weights else None)} | {fused_s} | "
+                   f"{_fmt(r.get('logits_rel_err'), '.2e')}{tokens_note} | {run} |")
     out += _generate_host_ops(results, run_no)
     out += ["", f"Prefill: time to first token, 1 x {a['prompt_len']} prompt. Loop: compiled prefill into a "
                 f"static cache (mode `{a['prefill_mode']}`), first token included; generate: "

@@ -2,8 +2,8 @@
 
 ``torch.compile(model, backend="quantfuse")`` works after installation without
 importing this package; import it for the ops (``torch.ops.quantfuse.*``),
-the quantized modules and ``quantize_model`` (``compile_backend.quantize``), ``explain`` and
-``from_pretrained``.  The package's map is docs/DESIGN.md's first section.
+the quantized modules, ``quantize_model`` and ``prepare`` (``compile_backend.quantize``), ``explain``
+and ``from_pretrained``.  The package's map is docs/DESIGN.md's first section.
 """
 
 from . import (  # noqa: F401  (imported for their registrations)
@@ -13,10 +13,10 @@ from . import (  # noqa: F401  (imported for their registrations)
 )
 from .backend import quantfuse
 from .explain import explain
-from .quantize import AWQLinear, W8A8Linear, W8A16Linear, quantize_model
+from .quantize import AWQLinear, W8A8Linear, W8A16Linear, prepare, quantize_model
 
-__all__ = ["AWQLinear", "W8A8Linear", "W8A16Linear", "backend", "explain", "from_pretrained", "ops", "quantfuse",
-           "quantize_model"]
+__all__ = ["AWQLinear", "W8A8Linear", "W8A16Linear", "backend", "explain", "from_pretrained", "ops", "prepare",
+           "quantfuse", "quantize_model"]
 __version__ = "0.1.0"
 
 

@@ -144,7 +144,7 @@ def _shard_awq(mod: AWQLinear, name: str, style: str, rank: int, ranks: int):
         with torch.device("meta"):
             local = AWQLinear(K, n, group_size=G, bias=mod.bias is not None, dtype=dtype,
                               act_order=mod.perm is not None)
-        set_tensors(local, qweight=_slice(mod.qweight, 1, rank, n // AWQ_PACK),
+        set_tensors(local, qweight=local.held_layout(_slice(mod.awq_qweight(), 1, rank, n // AWQ_PACK)),
                      qzeros=_slice(mod.qzeros, 1, rank, n // AWQ_PACK), scales=_slice(mod.scales, 1, rank, n),
                      bias=_slice(mod.bias, 0, rank, n), perm=_slice(mod.perm, 0, 0, K))
         local.out_dtype = mod.out_dtype
@@ -163,7 +163,7 @@ def _shard_awq(mod: AWQLinear, name: str, style: str, rank: int, ranks: int):
                          f"shards; the shard size must be a multiple or a divisor of the group size")
     with torch.device("meta"):
         local = AWQLinear(k, N, group_size=group, bias=False, dtype=dtype)
-    set_tensors(local, qweight=_slice(mod.qweight, 0, rank, k),
+    set_tensors(local, qweight=local.held_layout(_slice(mod.awq_qweight(), 0, rank, k)),
                  qzeros=mod.qzeros.narrow(0, first, rows).clone(), scales=mod.scales.narrow(0, first, rows).clone())
     local.out_dtype = mod.out_dtype
     return local, mod.bias

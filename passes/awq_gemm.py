@@ -17,7 +17,11 @@ once or twice, ``torch.stack`` of shifted nibbles, group expansion by
 ``mm`` and leaves the views, and a second, small pattern family folds a
 ``+ bias`` after them into the op (the pass runs to a fixed point).
 
-How it is decided (``passes/dequant_probe.py``): the subgraph from ``W`` back to
+``AWQLinear``, whose ``qweight`` is held in the kernels' fragment layout, writes ``W`` as
+``quantfuse.awq_dequantize(qweight, scales, qzeros, G)`` (the op is the dequantization, by
+definition): a matmul of that op's result is fused after the checks below, with no probe.
+
+How a dequantization written in torch ops is decided (``passes/dequant_probe.py``): the subgraph from ``W`` back to
 its leaves is collected through a closed set of ops (elementwise arithmetic,
 shifts, masks, casts, views, permutes, expands, slices, stacks, gathers by
 constant indices, ``arange``); its leaves must be exactly the three tensors
@@ -58,7 +62,13 @@ from torch._inductor.pattern_matcher import (
 )
 from torch.fx import Node
 
-from compile_backend.ops.awq_gemm import AWQ_ACT_DTYPES, AWQ_PACK, AWQ_SHIFTS, awq_dequantize_reference
+from compile_backend.ops.awq_gemm import (
+    AWQ_ACT_DTYPES,
+    AWQ_PACK,
+    AWQ_SHIFTS,
+    awq_dequantize_reference,
+    fragment_layout_takes,
+)
 
 from . import dequant_probe
 from .dequant_probe import Probe, SizeMap, Subgraph
@@ -66,6 +76,7 @@ from .fx_helpers import (
     Plan,
     Reject,
     bias_add_patterns,
+    is_backward,
     no_alpha,
     register_checked,
     static_shape,
@@ -305,10 +316,50 @@ def _form(sub: Subgraph) -> str:
     return "awq_shift_table"
 
 
+def _copies_note(K: int, N: int) -> str:
+    """What the kernels keep beside a ``qweight`` held in the AWQ layout (the form's leaves): its decode
+    layout and, on Hopper after a prefill, its prepared layout, each the size of the weight.
+    ``AWQLinear`` holds the one layout they read (``compile_backend.prepare`` converts a model)."""
+    if not fragment_layout_takes(K, N):
+        return ""
+    return (f"; on CUDA the kernels keep up to {2 * K * N / 2**21:.1f} MB of layouts beside this AWQ-layout "
+            "qweight (compile_backend.prepare(model) makes it an AWQLinear, which holds one)")
+
+
+def _activation_reason(x: Node, w: Node, mm: Node) -> str | None:
+    """Why the activations, the weight ``w`` and ``mm``'s result do not have the dtypes
+    ``awq_gemm`` takes (one of float16 / bfloat16, the same for all), or None."""
+    xv, W, y = tensor_val(x), tensor_val(w), tensor_val(mm)
+    if xv is None or W is None or y is None:
+        return "missing tensor metadata"
+    if xv.dtype not in AWQ_ACT_DTYPES:
+        return f"activations are {xv.dtype}; awq_gemm takes float16 or bfloat16"
+    if W.dtype != xv.dtype or y.dtype != xv.dtype:
+        return f"the dequantized weight ({W.dtype}) is not in the activation dtype {xv.dtype}"
+    return None
+
+
+def _analyze_op(mm: Node, x: Node, w: Node) -> _Fusion | str:
+    """``mm(x, awq_dequantize(qweight, scales, qzeros, G))`` (see the module doc)."""
+    why = _activation_reason(x, w, mm)
+    if why is not None:
+        return why
+    for user in w.users:
+        if user is not mm and not is_backward(user):
+            return f"the dequantized weight ({w.name}) is also used by {user.name} outside the matmul"
+    qweight, scales, qzeros, group_size = w.args[:4]
+    K, N = tensor_val(w).shape
+    per = "per-channel" if group_size == K else f"group_size={group_size}"
+    detail = f"{per} K={K} N={N} {str(tensor_val(x).dtype).removeprefix('torch.')}"
+    return _Fusion(_Roles(qweight, qzeros, scales), group_size, "awq_dequantize_op", detail)
+
+
 def _analyze(mm: Node, x: Node, w: Node) -> _Fusion | str | None:
     """The fusion for ``mm(x, w)``, why it must not be fused, or None when ``w`` is no AWQ candidate."""
     if not isinstance(w, Node):
         return None
+    if w.target is torch.ops.quantfuse.awq_dequantize.default:
+        return _analyze_op(mm, x, w)
     sub = dequant_probe.collect(w)
     if isinstance(sub, str):
         return None
@@ -316,14 +367,10 @@ def _analyze(mm: Node, x: Node, w: Node) -> _Fusion | str | None:
     if not reads_int32 or not sub.targets() & _BIT_OPS:
         return None
 
-    xv, W, y = tensor_val(x), tensor_val(w), tensor_val(mm)
-    if xv is None or W is None or y is None:
-        return "missing tensor metadata"
-    dtype = xv.dtype
-    if dtype not in AWQ_ACT_DTYPES:
-        return f"activations are {dtype}; awq_gemm takes float16 or bfloat16"
-    if W.dtype != dtype or y.dtype != dtype:
-        return f"the dequantized weight ({W.dtype}) is not in the activation dtype {dtype}"
+    why = _activation_reason(x, w, mm)
+    if why is not None:
+        return why
+    dtype, W = tensor_val(x).dtype, tensor_val(w)
     shape = static_shape(W)
     if shape is None or any(static_shape(tensor_val(n)) is None for n in sub.nodes):
         return "symbolic weight or scale shape"
@@ -349,7 +396,8 @@ def _analyze(mm: Node, x: Node, w: Node) -> _Fusion | str | None:
         if why is None:
             G = K // groups
             per = "per-channel" if groups == 1 else f"group_size={G}"
-            return _Fusion(roles, G, _form(sub), f"{per} K={K} N={N} {str(dtype).removeprefix('torch.')}")
+            detail = f"{per} K={K} N={N} {str(dtype).removeprefix('torch.')}{_copies_note(K, N)}"
+            return _Fusion(roles, G, _form(sub), detail)
         reasons.append(why)
     return reasons[0]
 

@@ -15,7 +15,8 @@ What a family's operands are is declared in ``MERGEABLE``, one ``Operand`` role 
   computing them are equal node by node);
 * ``same``: constants (``out_dtype``, ``group_size``), equal in every member;
 * ``rows_t`` (``b = w.t()``, concatenated along the weight's rows), ``rows`` (an ``[N, K]``
-  weight), ``cols`` (AWQ's ``qweight`` / ``qzeros`` ``[., N/8]``, ``scales`` ``[G, N]``):
+  weight), ``cols`` (AWQ's ``qweight`` / ``qzeros`` ``[., N/8]``, ``scales`` ``[G, N]``; a
+  ``qweight`` in the fragment layout ``[N/64, K/16, 32, 4]`` holds N in its first dimension):
   graph inputs (parameters, buffers, frozen constants), concatenated along N;
 * ``vector``: per-output-channel vectors (weight scales, bias), views of graph inputs, made
   one ``[N]`` vector; a per-tensor scale is broadcast to its member's N, unless every member
@@ -254,6 +255,11 @@ def _call(graph: Graph, target, args: tuple, meta_from: Node) -> Node:
     return node
 
 
+def _n_dim(op: Operand, part) -> int:
+    """The dimension of a weight-side operand that holds N (see the module doc)."""
+    return 1 if op.role == "cols" and part.dim() == 2 else 0
+
+
 def _merged_operand(graph: Graph, op: Operand, members: list[Member], canon, cache: dict, first: Node):
     x0 = members[0].args[op.name]
     if op.role == "shared":
@@ -270,8 +276,7 @@ def _merged_operand(graph: Graph, op: Operand, members: list[Member], canon, cac
         if all(p is parts[0] for p in parts) and _numel(parts[0]) == 1:
             return x0  # one per-tensor scale read by every member
         return _call(graph, CONCAT, (parts, 0, [m.n for m in members]), first)
-    dim = 1 if op.role == "cols" else 0
-    concat = _call(graph, CONCAT, (parts, dim), first)
+    concat = _call(graph, CONCAT, (parts, _n_dim(op, val(parts[0]))), first)
     if op.role == "rows_t":
         cache[op.name] = concat
         return _call(graph, PERMUTE, (concat, [1, 0]), first)
@@ -356,7 +361,7 @@ def _check_parts(operands, members: list[Member]) -> None:
         if op.role == "vector":
             CONCAT(fakes, 0, [m.n for m in members])
         else:
-            CONCAT(fakes, 1 if op.role == "cols" else 0)
+            CONCAT(fakes, _n_dim(op, fakes[0]))
 
 
 # --------------------------------------------------------------------------- Inductor lowering

@@ -83,6 +83,14 @@ def isolated_loader(monkeypatch):
 # --------------------------------------------------------------------------- GPU helpers
 
 
+def awq_layout_held(layer):
+    """``layer`` (an ``AWQLinear``) holding ``qweight`` in the AWQ layout, as other libraries' modules
+    do: the kernels then derive their layouts from it and keep them (the derived-value tests)."""
+    from compile_backend.quantize import set_tensors
+
+    return set_tensors(layer, qweight=layer.awq_qweight())
+
+
 def poison(shape, dtype) -> None:
     """Fills the caching allocator's next block of this many ``dtype`` elements with NaN, so that
     an output a kernel fails to write shows up as NaN."""

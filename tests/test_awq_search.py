@@ -117,7 +117,7 @@ def test_fake_quantize_is_what_the_module_dequantizes():
         for c in (None, clip):
             layer = AWQLinear(256, 64, group_size=64, dtype=dtype)
             qweight, qzeros, scales = quantize_weight_awq(lin.weight, 64, dtype, clip=c)
-            layer.qweight.copy_(qweight)
+            layer.qweight.copy_(layer.held_layout(qweight))
             layer.qzeros.copy_(qzeros)
             layer.scales.copy_(scales)
             assert torch.equal(layer.dequantized_weight().float().t(), fake_quantize_awq(lin.weight, 64, dtype, c))

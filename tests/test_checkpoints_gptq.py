@@ -173,7 +173,7 @@ def check_layers(model, layers, group, act_order_layers):
         assert (mod.perm is not None) == act_order, name
         assert {k for k, v in mod.named_parameters()} == {"qweight", "qzeros", "scales"} | (
             {"perm"} if mod.perm is not None else set()) | ({"bias"} if b is not None else set()), name
-        integers = awq_unpack(mod.qweight) - awq_unpack(mod.qzeros).repeat_interleave(G, 0)
+        integers = awq_unpack(mod.awq_qweight()) - awq_unpack(mod.qzeros).repeat_interleave(G, 0)
         assert torch.equal(in_input_order(mod, integers), q - z[g_idx]), name
         assert torch.equal(mod.scales, s), name
         if mod.perm is not None:  # groups contiguous in the stored order

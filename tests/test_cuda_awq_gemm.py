@@ -18,6 +18,7 @@ from conftest import AWQ_DECODE_MAX_M, AWQ_KERNEL_MAX_M, DEV, HOPPER, awq_kernel
 
 import compile_backend
 from compile_backend.ops import AWQ_SHIFTS
+from compile_backend.ops.awq_gemm import awq_from_fragments, awq_to_fragments, fragment_layout_takes
 from compile_backend.quantize import awq_pack
 
 pytestmark = pytest.mark.gpu
@@ -45,6 +46,11 @@ def run_case(M, N, K, group, dtype, seed, bias=False):
     torch.cuda.synchronize()
     ref, mag = reference64(x, q, z, s, G, b, exact=op_exact(M, N))
     check_close(out, ref, mag, dtype, f"M={M} N={N} K={K} G={G} {dtype} bias={bias}")
+    if fragment_layout_takes(K, N):
+        # The layout AWQLinear holds: the same kernels on the same values, so the same bits.
+        poison(M * N, dtype)
+        held = torch.ops.quantfuse.awq_gemm(x, repacked(qw), s, qz, G, b)
+        assert torch.equal(held, out), f"fragment layout differs: M={M} N={N} K={K} G={G} {dtype}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -352,3 +358,28 @@ def test_torch_compile_quantfuse_runs_kernel():
     assert "awq_gemm_kernel" in names, names[:2000]
     rel = (torch.linalg.norm(out.float() - eager.float()) / torch.linalg.norm(eager.float())).item()
     assert rel < 5e-3, rel
+
+
+@pytest.mark.parametrize("N,K", ((320, 512), (4096, 4096), (6144, 128)))
+def test_fragment_layout_conversions(N, K):
+    """The GPU's repack and its inverse are the layout ``ops/awq_gemm.py`` defines (what AWQLinear
+    holds and what state_dict converts), and the Hopper prefill layout made from fragments per call
+    is the one made from the AWQ layout, bit for bit."""
+    gen = torch.Generator(device=DEV).manual_seed(N + K)
+    qw, s, qz, G, q, z = make_awq(K, N, 128, torch.float16, gen)
+    fragments = repacked(qw)
+    assert torch.equal(fragments.cpu(), awq_to_fragments(qw.cpu()))
+    assert torch.equal(torch.ops.quantfuse._awq_unrepack_cuda(fragments), qw)
+    assert torch.equal(awq_from_fragments(fragments.cpu()), qw.cpu())
+    if HOPPER and N % 128 == 0 and K % 64 == 0:
+        wq, _, zeros = torch.ops.quantfuse._awq_prepare_sm90_cuda(qw, s, qz, G)
+        wq_f, zeros_f = torch.ops.quantfuse._awq_prepare_sm90_from_fragments_cuda(fragments, s, qz, G)
+        assert torch.equal(wq_f, wq) and torch.equal(zeros_f, zeros)
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_dequantize_fragment_layout(group):
+    gen = torch.Generator(device=DEV).manual_seed(7 + group)
+    qw, s, qz, G, q, z = make_awq(256, 384, group, torch.bfloat16, gen)
+    want = torch.ops.quantfuse.awq_dequantize(qw, s, qz, G)
+    assert torch.equal(torch.ops.quantfuse.awq_dequantize(repacked(qw), s, qz, G), want)

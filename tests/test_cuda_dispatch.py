@@ -25,6 +25,7 @@ from conftest import (
     DEV,
     HOPPER,
     awq_kernel_reason,
+    awq_layout_held,
     check_w8a8,
     kernel_names,
     ran_quantfuse_kernel,
@@ -407,7 +408,8 @@ def test_reduce_overhead_awq_model(Mx):
     torch._dynamo.reset()
     derived_clear()
     torch.manual_seed(Mx)
-    layer = AWQLinear.from_linear(torch.nn.Linear(512, 512, device=DEV), group_size=128, dtype=torch.float16)
+    layer = awq_layout_held(AWQLinear.from_linear(torch.nn.Linear(512, 512, device=DEV), group_size=128,
+                                                  dtype=torch.float16))
     xs = [torch.randn(Mx, 512, device=DEV, dtype=torch.float16) for _ in range(3)]
     like = [torch.ops.quantfuse._awq_repack_cuda(layer.qweight)]
     if HOPPER:
@@ -449,7 +451,7 @@ def _new_weights(layer, family):
     torch.manual_seed(7)
     fresh = torch.nn.Linear(512, 512, device=DEV)
     if family == "awq_gemm":
-        other = AWQLinear.from_linear(fresh, group_size=128, dtype=torch.float16)
+        other = awq_layout_held(AWQLinear.from_linear(fresh, group_size=128, dtype=torch.float16))
         return {name: getattr(other, name) for name in ("qweight", "qzeros", "scales")}
     other = W8A8Linear.from_linear(fresh, symmetric=False, out_dtype=torch.float32)
     return {"weight": other.weight, "weight_scale": other.weight_scale}
@@ -478,7 +480,8 @@ def test_reduce_overhead_refuses_changed_weights(family, write, holder):
     derived_clear()
     torch.manual_seed(300)
     if family == "awq_gemm":
-        layer = AWQLinear.from_linear(torch.nn.Linear(512, 512, device=DEV), group_size=128, dtype=torch.float16)
+        layer = awq_layout_held(AWQLinear.from_linear(torch.nn.Linear(512, 512, device=DEV), group_size=128,
+                                                      dtype=torch.float16))
         xs = [torch.randn(64, 512, device=DEV, dtype=torch.float16) for _ in range(3)]
         bound = 5e-3
     else:
@@ -554,8 +557,9 @@ def test_in_place_weight_update_is_seen(Mx):
     """After ``layer.qweight.copy_(new)`` (a version bump) the public awq_gemm returns the new
     result and the cache made a new value; the same for in-place writes to scales and qzeros."""
     torch.manual_seed(Mx)
-    layer = AWQLinear.from_linear(torch.nn.Linear(512, 512, device=DEV), group_size=128, dtype=torch.float16)
-    new = AWQLinear.from_linear(torch.nn.Linear(512, 512, device=DEV), group_size=128, dtype=torch.float16)
+    # Held in the AWQ layout, from which the kernels derive theirs (AWQLinear's own layout derives nothing).
+    layer, new = (awq_layout_held(AWQLinear.from_linear(torch.nn.Linear(512, 512, device=DEV), group_size=128,
+                                                        dtype=torch.float16)) for _ in range(2))
     x = torch.randn(Mx, 512, device=DEV, dtype=torch.float16)
     gemm = lambda: torch.ops.quantfuse.awq_gemm(x, layer.qweight, layer.scales, layer.qzeros, 128, layer.bias)
     what = lambda s: f"M={Mx}, {s}"

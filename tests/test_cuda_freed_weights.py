@@ -12,6 +12,7 @@ import gc
 
 import pytest
 import torch
+from conftest import awq_layout_held
 from torch import nn
 
 from compile_backend.derived import freed_weights
@@ -44,11 +45,11 @@ def test_concatenation_goes_with_its_parts(cuda_kernels):
 
 
 def test_awq_module_takes_its_layouts_along(cuda_kernels):
-    """An AWQ linear's repacked (decode) and prepared (Hopper prefill) layouts are freed with it,
+    """An AWQ-layout linear's repacked (decode) and prepared (Hopper prefill) layouts are freed with it,
     not at the cache's next miss."""
     torch.manual_seed(0)
     model = quantize_model(nn.Sequential(nn.Linear(4096, 4096, bias=False)).to("cuda", torch.float16), "awq")
-    layer = model[0]
+    layer = awq_layout_held(model[0])
     weight_bytes = sum(t.nbytes for t in (layer.qweight, layer.scales, layer.qzeros))
     del layer
     with torch.no_grad():

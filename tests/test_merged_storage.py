@@ -15,9 +15,12 @@ from compile_backend.quantize import AWQLinear, W8A8Linear, held_tensors, quanti
 CONCAT = torch.ops.quantfuse.concat_weights
 
 
-def _model(scheme: str, seed: int = 0):
+def _model(scheme: str, seed: int = 0, hidden: int = 128):
+    """A one-layer Llama; at hidden 128 every AWQ projection's N is a multiple of 64 (qweight in the
+    fragment layout), at 64 the k/v projections' is not."""
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4, num_kv_heads=2)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=hidden, intermediate_size=2 * hidden, num_layers=1, num_heads=4,
+                      num_kv_heads=2)
     model = tiny_llama(cfg).to(torch.float16 if scheme.startswith("awq") else torch.float32).eval()
     return quantize_model(model, scheme), cfg
 
@@ -68,14 +71,20 @@ def test_parts_that_are_not_adjacent_are_copied(case):
 # --------------------------------------------------------------------------- quantize_model
 
 
-@pytest.mark.parametrize("scheme", ["int8", "fp8-rowwise", "awq-g32"])
-def test_projections_that_share_an_input_are_views_of_one_tensor(scheme):
-    model, _ = _model(scheme)
+@pytest.mark.parametrize("scheme,hidden", [("int8", 128), ("fp8-rowwise", 128), ("awq-g32", 128), ("awq-g32", 64)])
+def test_projections_that_share_an_input_are_views_of_one_tensor(scheme, hidden):
+    model, _ = _model(scheme, hidden=hidden)
     attn, mlp = _layer(model).attn, _layer(model).mlp
     names = ("qweight", "qzeros", "scales") if scheme.startswith("awq") else ("weight", "weight_scale")
-    dim = 1 if scheme.startswith("awq") else 0
     for group in ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)):
         for name in names:
+            # N is the first dimension of W8A8's tensors and of AWQ's qweight in the fragment layout,
+            # the columns of AWQ's qzeros, scales and a qweight in the AWQ layout: a group whose
+            # members are not all whole strips of 64 columns (hidden 64: k/v) holds that one.
+            held = held_tensors(group[0])[name]
+            dim = 1 if scheme.startswith("awq") and (name != "qweight" or held.dim() == 2) else 0
+            if name == "qweight":
+                assert held.dim() == (2 if hidden == 64 and group[0] is attn.q_proj else 4)
             parts = [held_tensors(m)[name] for m in group]
             assert len(_bases(parts)) == 1, name
             merged = adjacent_view(parts, dim)
@@ -129,7 +138,7 @@ def test_compiled_model_reads_writes_to_one_projection():
 def test_state_dict_of_merged_awq_layers_saves_with_safetensors(tmp_path):
     safetensors_torch = pytest.importorskip("safetensors.torch")
     model, _ = _model("awq-g32", seed=4)
-    assert not _layer(model).attn.k_proj.qweight.is_contiguous()  # a column slice of the merged tensor
+    assert not _layer(model).attn.k_proj.scales.is_contiguous()  # a column slice of the merged tensor
     state = model.state_dict()
     safetensors_torch.save_file(state, str(tmp_path / "m.safetensors"))
     loaded = safetensors_torch.load_file(str(tmp_path / "m.safetensors"))
@@ -137,8 +146,9 @@ def test_state_dict_of_merged_awq_layers_saves_with_safetensors(tmp_path):
     fresh, _ = _model("awq-g32", seed=5)
     fresh.load_state_dict(loaded)
     attn = _layer(fresh).attn
-    assert adjacent_view([attn.q_proj.qweight, attn.k_proj.qweight, attn.v_proj.qweight], 1) is not None
-    assert torch.equal(attn.k_proj.qweight, state["layers.0.attn.k_proj.qweight"])
+    assert adjacent_view([attn.q_proj.qweight, attn.k_proj.qweight, attn.v_proj.qweight], 0) is not None
+    assert state["layers.0.attn.k_proj.qweight"].dim() == 2  # saved in the AWQ layout
+    assert torch.equal(attn.k_proj.awq_qweight(), state["layers.0.attn.k_proj.qweight"])
 
 
 def test_merging_again_after_a_move_and_awq_modules_compute_the_same():

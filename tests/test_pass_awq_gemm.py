@@ -27,7 +27,7 @@ from torch import nn
 from compile_backend.ops import AWQ_ORDER
 from compile_backend.passes import FusionReport, collecting_report
 from compile_backend.passes.report import noted_reasons
-from compile_backend.quantize import AWQLinear
+from compile_backend.quantize import AWQLinear, set_tensors
 
 aten = torch.ops.aten
 AWQ_GEMM = torch.ops.quantfuse.awq_gemm.default
@@ -79,6 +79,11 @@ def assert_output_close(out, expected):
 # --------------------------------------------------------------------------- the modules users have
 
 
+def awq_tensor(awq: AWQLinear, name: str) -> torch.Tensor:
+    """``awq``'s tensor ``name`` as other libraries' modules hold it: ``qweight`` in the AWQ layout."""
+    return awq.awq_qweight() if name == "qweight" else getattr(awq, name)
+
+
 def awq_params(group_size: int, dtype, bias: bool, seed: int = 0, k: int = K, n: int = N):
     torch.manual_seed(seed)
     return AWQLinear.from_linear(nn.Linear(k, n, bias=bias), group_size=group_size, dtype=dtype)
@@ -99,7 +104,7 @@ class AutoAWQLinear(nn.Module):
                  expand="repeat_interleave", zero_point="packed", zeros_reorder=True):
         super().__init__()
         for name in ("qweight", "qzeros", "scales", "bias"):
-            self.register_buffer(name, getattr(awq, name))
+            self.register_buffer(name, awq_tensor(awq, name))
         self.group_size = awq.group_size
         self.reorder, self.order, self.shift_bits, self.mask = reorder, list(order), shift_bits, mask
         self.expand, self.zero_point, self.zeros_reorder = expand, zero_point, zeros_reorder
@@ -136,7 +141,8 @@ class AutoAWQLinear(nn.Module):
 
 
 class ExpandAWQLinear(AWQLinear):
-    """AWQLinear with the groups expanded by view/expand instead of repeat_interleave."""
+    """AWQLinear with the groups expanded by view/expand instead of repeat_interleave, holding
+    ``qweight`` in the AWQ layout (as other libraries' modules do)."""
 
     def dequantized_weight(self):
         from compile_backend.ops import awq_unpack
@@ -154,7 +160,7 @@ def make_module(form: str, group_size: int, dtype, bias: bool) -> nn.Module:
     if form == "AWQLinear-expand":
         mod = ExpandAWQLinear(K, N, group_size=group_size, bias=bias, dtype=dtype)
         mod.load_state_dict(awq.state_dict())
-        return mod
+        return set_tensors(mod, qweight=awq.awq_qweight())
     if form == "AutoAWQ":
         return AutoAWQLinear(awq)
     if form == "AutoAWQ-chunk-expand":
@@ -174,7 +180,8 @@ def assert_fused(t: Traced, group_size: int, form: str):
     assert t.count(aten.mm.default, aten.addmm.default, *UNPACK_OPS) == 0, graph_str(t.after)
     (fused,) = t.report.fused
     assert fused.family == "awq_gemm"
-    assert fused.form == ("autoawq_reorder" if form.startswith("AutoAWQ") else "awq_shift_table")
+    assert fused.form == ("autoawq_reorder" if form.startswith("AutoAWQ") else
+                          "awq_dequantize_op" if form == "AWQLinear" else "awq_shift_table")
     node = next(n for n in t.after.graph.nodes if n.target == AWQ_GEMM)
     assert node.args[4] == (K if group_size == -1 else group_size)
     assert_output_close(t.output, t.expected)
@@ -355,12 +362,13 @@ def test_shifts_that_are_not_4bit(step, count, mask, reason):
 
 def test_zeros_and_scales_grouped_differently():
     mod = awq_params(64, torch.float16, bias=False)
+    qweight = mod.awq_qweight()  # the AWQ layout, as other libraries' modules hold it
 
     def f(x):
         from compile_backend.ops import awq_unpack
 
         z = awq_unpack(mod.qzeros)[:1]  # per-channel zeros ([1, N], broadcast) with grouped scales
-        w = (awq_unpack(mod.qweight) - z).to(torch.float16) * mod.scales.repeat_interleave(64, dim=0)
+        w = (awq_unpack(qweight) - z).to(torch.float16) * mod.scales.repeat_interleave(64, dim=0)
         return x @ w
 
     assert_left_alone(trace(f, activations(2, torch.float16)))
@@ -371,9 +379,10 @@ def test_unsigned_subtraction():
     from compile_backend.ops import awq_unpack
 
     mod = awq_params(64, torch.float16, bias=False)
+    qweight = mod.awq_qweight()  # the AWQ layout, as other libraries' modules hold it
 
     def f(x):
-        w = awq_unpack(mod.qweight).to(torch.uint8)
+        w = awq_unpack(qweight).to(torch.uint8)
         z = awq_unpack(mod.qzeros).to(torch.uint8).repeat_interleave(64, dim=0)
         return x @ ((w - z).to(torch.float16) * mod.scales.repeat_interleave(64, dim=0))
 
@@ -420,7 +429,7 @@ class TorchAwqLinear(nn.Module):
     def __init__(self, awq: AWQLinear, zeros_shift: int = 0):
         super().__init__()
         for name in ("qweight", "qzeros", "scales", "bias"):
-            self.register_buffer(name, getattr(awq, name))
+            self.register_buffer(name, awq_tensor(awq, name))
         self.group_size, self.zeros_shift = awq.group_size, zeros_shift
 
     @staticmethod
@@ -464,7 +473,7 @@ class StackAWQLinear(nn.Module):
     def __init__(self, awq: AWQLinear, *, order=AWQ_ORDER, groups="view", linear=False):
         super().__init__()
         for name in ("qweight", "qzeros", "scales", "bias"):
-            self.register_buffer(name, getattr(awq, name))
+            self.register_buffer(name, awq_tensor(awq, name))
         self.order, self.groups, self.linear = tuple(order), groups, linear
 
     def unpack(self, p):
@@ -499,7 +508,7 @@ class GroupIndexAWQLinear(nn.Module):
     def __init__(self, awq: AWQLinear, divisor=None):
         super().__init__()
         for name in ("qweight", "qzeros", "scales", "bias"):
-            self.register_buffer(name, getattr(awq, name))
+            self.register_buffer(name, awq_tensor(awq, name))
         self.divisor = divisor or awq.group_size
 
     def forward(self, x):
@@ -601,11 +610,12 @@ def test_autoawq_zeros_left_in_packing_order():
 def test_lookup_by_value_is_not_a_reorder():
     """A gather whose indices are the unpacked nibbles (a table lookup) is outside what the probe decides."""
     mod = awq_params(64, torch.float16, bias=False)
+    qweight = mod.awq_qweight()  # the AWQ layout, as other libraries' modules hold it
 
     def f(x):
         from compile_backend.ops import awq_unpack
 
-        w = torch.arange(16, dtype=torch.int32)[awq_unpack(mod.qweight)]
+        w = torch.arange(16, dtype=torch.int32)[awq_unpack(qweight)]
         z = awq_unpack(mod.qzeros).repeat_interleave(64, dim=0)
         return x @ ((w - z).to(torch.float16) * mod.scales.repeat_interleave(64, dim=0))
 

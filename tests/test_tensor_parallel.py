@@ -130,7 +130,8 @@ def _run(rank: int, out: str, dev: torch.device) -> None:
     o, gate = layer.self_attn.o_proj, layer.mlp.gate_proj
     assert isinstance(o, RowParallelLinear) and isinstance(layer.mlp.down_proj, RowParallelLinear)
     res["shapes"] = dict(q=tuple(layer.self_attn.q_proj.weight.shape), o=tuple(o.local.weight.shape),
-                         gate=tuple(gate.qweight.shape), down=tuple(layer.mlp.down_proj.local.qweight.shape))
+                         gate=tuple(gate.awq_qweight().shape),
+                         down=tuple(layer.mlp.down_proj.local.awq_qweight().shape))
     f = full["model.layers.0.self_attn.q_proj"]
     n = f["weight"].shape[0] // WORLD
     res["q_follow"] = all(torch.equal(getattr(layer.self_attn.q_proj, k), f[k][rank * n:(rank + 1) * n])
@@ -138,7 +139,7 @@ def _run(rank: int, out: str, dev: torch.device) -> None:
     f = full["model.layers.0.mlp.down_proj"]
     k = f["qweight"].shape[0] // WORLD
     down = layer.mlp.down_proj
-    res["down_follow"] = (torch.equal(down.local.qweight, f["qweight"][rank * k:(rank + 1) * k])
+    res["down_follow"] = (torch.equal(down.local.awq_qweight(), f["qweight"][rank * k:(rank + 1) * k])
                           and torch.equal(down.local.scales, f["scales"][rank * k // 32:(rank + 1) * k // 32])
                           and torch.equal(down.bias, f["bias"]) and down.local.bias is None)
     with torch.no_grad():

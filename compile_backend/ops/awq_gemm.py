@@ -2,10 +2,18 @@
 
     W[k, n] = (q[k, n] − z[k // G, n]) · s[k // G, n]        Y = X W + bias   (docs/DESIGN.md)
 
-``qweight`` ``[K, N/8]`` int32 holds 8 unsigned 4-bit values per int32 in AWQ order
-(``AWQ_ORDER``), ``qzeros`` ``[K/G, N/8]`` likewise, ``scales`` ``[K/G, N]`` in the activation
-dtype (float16 or bfloat16).  The reference dequantizes with one rounding (the scale product,
-as a kernel that dequantizes in registers makes) and multiplies in float32.
+``qweight`` holds the unsigned 4-bit values of ``W``, 8 per int32, in one of two layouts:
+
+* the AWQ layout ``[K, N/8]`` (AutoAWQ's, the checkpoints' and ``state_dict``'s): values along N
+  in AWQ order (``AWQ_ORDER``);
+* the fragment layout ``[N/64, K/16, 32, 4]`` (N % 64 == 0, K % 16 == 0): the decode kernel's
+  own, each lane's mma fragments contiguous (``awq_to_fragments``, csrc/awq_gemm/awq_gemm.h).
+  ``AWQLinear`` holds this one, so that the kernels read the module's tensor as it is and no
+  second copy of the weight exists (the Hopper prefill kernel makes its layout from it per call).
+
+``qzeros`` ``[K/G, N/8]`` is in AWQ layout, ``scales`` ``[K/G, N]`` in the activation dtype
+(float16 or bfloat16).  The reference dequantizes with one rounding (the scale product, as a
+kernel that dequantizes in registers makes) and multiplies in float32.
 
 Autograd: dX = dY Wᵀ;  dbias = Σ_m dY;  d scales[g, n] = Σ_{k in g} (Xᵀ dY)[k, n] · (q − z)[k, n];
 for ``awq_dequantize``, d scales[g, n] = Σ_{k in g} dW[k, n] · (q − z)[k, n].
@@ -23,18 +31,31 @@ AWQ_PACK = 8  # int4 values per int32
 # Logical column 8c+i sits at bits 4*AWQ_ORDER[i] of qweight[:, c].
 AWQ_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 AWQ_SHIFTS = tuple(4 * o for o in AWQ_ORDER)
+AWQ_STRIP_N = 64  # columns of N per strip of the fragment layout
 
 SCHEMA = "awq_gemm(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, int group_size, Tensor? bias=None) -> Tensor"
 DEQUANTIZE_SCHEMA = "awq_dequantize(Tensor qweight, Tensor scales, Tensor qzeros, int group_size) -> Tensor"
 
 
+def awq_shape(qweight: torch.Tensor) -> tuple[int, int] | None:
+    """(K, N) of an int32 ``qweight`` in either layout (module doc), or None if it is in neither."""
+    if qweight.dtype != torch.int32:
+        return None
+    if qweight.dim() == 2:
+        return qweight.shape[0], qweight.shape[1] * AWQ_PACK
+    if qweight.dim() == 4 and tuple(qweight.shape[2:]) == (32, 4):
+        return qweight.shape[1] * 16, qweight.shape[0] * AWQ_STRIP_N
+    return None
+
+
 def check_awq(op, qweight, scales, qzeros, group_size, x=None, bias=None):
     first = "qweight" if x is None else "x"
     check_devices(op, first, dict(x=x, qweight=qweight, scales=scales, qzeros=qzeros, bias=bias))
-    if qweight.dtype != torch.int32 or qweight.dim() != 2:
-        fail(op, "qweight", qweight, "a 2-D int32 tensor [K, N/8]")
-    K, n_packed = qweight.shape
-    N = n_packed * AWQ_PACK
+    shape = awq_shape(qweight)
+    if shape is None:
+        fail(op, "qweight", qweight, "int32 [K, N/8] (AWQ layout) or [N/64, K/16, 32, 4] (fragment layout)")
+    K, N = shape
+    n_packed = N // AWQ_PACK
     if scales.dtype not in AWQ_ACT_DTYPES or scales.dim() != 2:
         fail(op, "scales", scales, "a 2-D float16 or bfloat16 tensor [K/group_size, N]")
     if not isinstance(group_size, int) or group_size <= 0 or K % group_size != 0:
@@ -63,8 +84,95 @@ def awq_unpack(packed: torch.Tensor) -> torch.Tensor:
     return nibbles.reshape(packed.shape[0], packed.shape[1] * AWQ_PACK)
 
 
+# --------------------------------------------------------------------------- fragment layout
+#
+# Word j of lane l = 4g + t at k-step kt of strip s (word index ((s*K/16 + kt)*32 + l)*4 + j,
+# j = 2jh + jl) holds in nibble i = 4ih + 2im + il (bits 4i..4i+3) the value W[k, n] with
+#     k = 16kt + 4t + 2jl + ih,      n = 64s + 32jh + 16il + 8im + g
+# (csrc/awq_gemm/awq_gemm_kernels.cu, awq_repack_kernel).  As a tensor of nibbles
+# [s, kt, g, t, jh, jl, ih, im, il] that is a permutation of W's [kt, t, jl, ih, s, jh, il, im, g].
+
+_TO_W = (1, 3, 5, 6, 0, 4, 8, 7, 2)  # nibble tensor dims -> W's
+_TO_FRAGMENTS = (4, 0, 8, 1, 5, 2, 3, 7, 6)  # W's dims -> the nibble tensor's
+_NIBBLE_SHIFTS = tuple(4 * i for i in range(8))
+
+
+def fragment_layout_takes(K: int, N: int) -> bool:
+    """Whether a ``[K, N]`` weight has a fragment layout (module doc)."""
+    return K > 0 and N > 0 and K % 16 == 0 and N % AWQ_STRIP_N == 0
+
+
+def unpack_fragments(fragments: torch.Tensor) -> torch.Tensor:
+    """Fragment layout ``[N/64, K/16, 32, 4]`` int32 -> ``[K, N]`` int32 of 4-bit values."""
+    S, KT = fragments.shape[:2]
+    shifts = torch.tensor(_NIBBLE_SHIFTS, dtype=torch.int32, device=fragments.device)
+    nibbles = (fragments.unsqueeze(-1) >> shifts) & 0xF
+    return nibbles.reshape(S, KT, 8, 4, 2, 2, 2, 2, 2).permute(_TO_W).reshape(KT * 16, S * AWQ_STRIP_N)
+
+
+def pack_fragments(values: torch.Tensor) -> torch.Tensor:
+    """``[K, N]`` ints in [0, 15] -> the fragment layout ``[N/64, K/16, 32, 4]`` int32."""
+    K, N = values.shape
+    if not fragment_layout_takes(K, N):
+        raise ValueError(f"pack_fragments: a [K, N] = [{K}, {N}] weight; the fragment layout needs K % 16 == 0 "
+                         f"and N % {AWQ_STRIP_N} == 0")
+    S, KT = N // AWQ_STRIP_N, K // 16
+    v = values.to(torch.int64).reshape(KT, 4, 2, 2, S, 2, 2, 2, 8).permute(_TO_FRAGMENTS).reshape(S, KT, 32, 4, 8)
+    word = v[..., 0]
+    for i in range(1, 8):
+        word = word | (v[..., i] << _NIBBLE_SHIFTS[i])
+    # The unsigned 32-bit pattern as int32 (subtract 2^32 where bit 31 is set).
+    return (word - ((word >> 31) << 32)).to(torch.int32).contiguous()
+
+
+def awq_to_fragments(qweight: torch.Tensor) -> torch.Tensor:
+    """AWQ layout ``[K, N/8]`` -> fragment layout (what ``_awq_repack_cuda`` makes on the GPU)."""
+    return pack_fragments(awq_unpack(qweight))
+
+
+def awq_from_fragments(fragments: torch.Tensor) -> torch.Tensor:
+    """Fragment layout -> AWQ layout ``[K, N/8]``."""
+    values = unpack_fragments(fragments).to(torch.int64)
+    values = values.view(values.shape[0], -1, AWQ_PACK)
+    word = values[..., 0] << AWQ_SHIFTS[0]
+    for i in range(1, AWQ_PACK):
+        word = word | (values[..., i] << AWQ_SHIFTS[i])
+    return (word - ((word >> 31) << 32)).to(torch.int32).contiguous()
+
+
+def _cuda_op(t: torch.Tensor, name: str):
+    """The private CUDA op ``name`` for ``t`` when ``t`` is on a GPU and the kernels are loaded."""
+    if not t.is_cuda:
+        return None
+    from ..kernels.loader import ensure_loaded
+
+    return getattr(torch.ops.quantfuse, name) if ensure_loaded() else None
+
+
+def awq_layout(qweight: torch.Tensor) -> torch.Tensor:
+    """``qweight`` in the AWQ layout ``[K, N/8]``: itself, or converted from the fragment layout."""
+    if qweight.dim() != 4:
+        return qweight
+    op = _cuda_op(qweight, "_awq_unrepack_cuda")
+    return op(qweight.contiguous()) if op is not None else awq_from_fragments(qweight)
+
+
+def fragment_layout(qweight: torch.Tensor) -> torch.Tensor:
+    """``qweight`` in the fragment layout where its shape has one (``fragment_layout_takes``), else
+    as it is."""
+    if qweight.dim() != 2 or not fragment_layout_takes(qweight.shape[0], qweight.shape[1] * AWQ_PACK):
+        return qweight
+    op = _cuda_op(qweight, "_awq_repack_cuda")
+    return op(qweight.contiguous()) if op is not None else awq_to_fragments(qweight)
+
+
+def awq_values(qweight: torch.Tensor) -> torch.Tensor:
+    """``[K, N]`` int32 4-bit values of ``qweight`` in either layout."""
+    return unpack_fragments(qweight) if qweight.dim() == 4 else awq_unpack(qweight)
+
+
 def _awq_weight(qweight, scales, qzeros, group_size):
-    q = awq_unpack(qweight)
+    q = awq_values(qweight)
     z = awq_unpack(qzeros).repeat_interleave(group_size, dim=0)
     s = scales.repeat_interleave(group_size, dim=0)
     # (q - z) is exact in the activation dtype; the one rounding is the scale product,

@@ -13,10 +13,11 @@ member's tensor: the group is then concatenated (and cached) as before.
 
 Groups are siblings with the names of the projections that share an input in the models people
 quantize (``SHARED_INPUT_NAMES``), of one class, holding the same tensors with the same dtypes,
-devices and shapes but along N.  An ``AWQLinear``'s tensors are merged along N too, its
-columns: a member's ``qweight``, ``qzeros`` and ``scales`` are then column slices, not
-contiguous; a member run on its own on CUDA outside a compiled graph copies its (small) scales
-and zeros into a contiguous buffer per call.
+devices and shapes but along N.  An ``AWQLinear``'s tensors are merged along N too: its
+``qweight`` in the fragment layout along the first dimension (N's strips: each member's part is
+contiguous), ``qzeros`` and ``scales`` along their columns (column slices, not contiguous; a member
+run on its own on CUDA outside a compiled graph copies its small scales and zeros into a contiguous
+buffer per call).
 """
 
 from __future__ import annotations
@@ -58,7 +59,15 @@ def _mergeable(members: list[nn.Module], name: str, dim: int) -> bool:
 def _share(members: list[nn.Module]) -> list[str]:
     """Stores ``members``' tensors as views of merged ones; returns the names merged."""
     merged = []
+    if isinstance(members[0], AWQLinear) and len({m.qweight.dim() for m in members}) > 1:
+        # Some members' N is not a whole number of the fragment layout's strips (a small model's
+        # k/v projections): the group is held in the AWQ layout, one merged tensor all the same.
+        for m in members:
+            if m.qweight.dim() == 4 and not m.qweight.requires_grad:
+                set_tensors(m, qweight=m.awq_qweight())
     for name, dim in _N_DIM[type(members[0])].items():
+        if name == "qweight" and isinstance(members[0], AWQLinear) and members[0].qweight.dim() == 4:
+            dim = 0  # the fragment layout: N's strips first
         if not _mergeable(members, name, dim):
             continue
         parts = [held_tensors(m)[name] for m in members]

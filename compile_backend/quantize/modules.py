@@ -11,7 +11,8 @@ layers for them with round-to-nearest quantization (``weights.py``).
   the dequantize-then-matmul form (docs/DESIGN.md pass form 2), computed in float32
   and rounded once to the output dtype.
 * ``AWQLinear``: AWQ-format ``qweight``/``qzeros``/``scales`` (docs/DESIGN.md's bit
-  order), group sizes 32/64/128 or per-channel (group = K), optional bias.
+  order), group sizes 32/64/128 or per-channel (group = K), optional bias; ``qweight`` held in
+  the kernels' fragment layout, converted from and to the AWQ layout on the way in and out.
 * ``W8A16Linear``: int8 weight-only (W8A16): an int8 weight ``[N, K]`` with a per-channel (or
   per-tensor) scale in float32 or the activation dtype, activations left in float; the forward is
   ``F.linear(x, w_q · s, bias)``, the form ``passes/w8a16_gemm.py`` fuses into ``w8a16_gemm``.
@@ -31,7 +32,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..derived import HeldParameter, watch
-from ..ops.awq_gemm import AWQ_PACK, awq_unpack
+from ..ops.awq_gemm import (
+    AWQ_ACT_DTYPES,
+    AWQ_PACK,
+    awq_layout,
+    awq_unpack,
+    awq_values,
+    fragment_layout,
+    fragment_layout_takes,
+)
 from ..ops.library import OUT_DTYPES
 from ..ops.quantize_per_token import X_DTYPES, activation_params, quantize_per_token, quantize_with
 from ..ops.scaled_mm_azp import azp_operands
@@ -371,6 +380,14 @@ class AWQLinear(_HoldsTensors):
     call until the AWQ kernels read the activation through ``perm`` themselves (a later step).
     ``dequantized_weight`` is in the stored (reordered) row order.  Without act-order ``perm`` is
     None and the layer is as before (same ``state_dict`` keys).
+
+    One layout per weight: where ``in_features % 16 == 0`` and ``out_features % 64 == 0`` (every
+    LLM's linears), ``qweight`` is held in the kernels' fragment layout ``[N/64, K/16, 32, 4]``
+    (``ops/awq_gemm.py``), which the AWQ ops read for every M, so the module's tensor is the
+    weight's only copy on the GPU.  What goes in and out is the AWQ layout ``[K, N/8]``:
+    ``state_dict`` converts on the way out (``keep_vars=True`` gives the held tensors as they
+    are), ``load_state_dict`` and ``from_state_dict`` on the way in, and ``awq_qweight()``
+    gives it on demand.  Other shapes hold the AWQ layout itself.
     """
 
     out_dtype = _dtype_attribute("out_dtype", "the output dtype (see the class doc)")
@@ -392,7 +409,10 @@ class AWQLinear(_HoldsTensors):
         self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
         self.out_dtype = dtype
         groups, packed = in_features // group_size, out_features // AWQ_PACK
-        for name, t in (("qweight", torch.zeros(in_features, packed, dtype=torch.int32)),
+        qweight = (torch.zeros(out_features // 64, in_features // 16, 32, 4, dtype=torch.int32)
+                   if fragment_layout_takes(in_features, out_features) else
+                   torch.zeros(in_features, packed, dtype=torch.int32))
+        for name, t in (("qweight", qweight),
                         ("qzeros", torch.zeros(groups, packed, dtype=torch.int32)),
                         ("scales", torch.ones(groups, out_features, dtype=dtype)),
                         ("bias", torch.zeros(out_features, dtype=dtype) if bias else None),
@@ -404,7 +424,7 @@ class AWQLinear(_HoldsTensors):
         mod = cls(linear.in_features, linear.out_features, group_size=group_size,
                   bias=linear.bias is not None, dtype=dtype)
         qweight, qzeros, scales = quantize_weight_awq(linear.weight, mod.group_size, dtype)
-        mod.qweight.copy_(qweight)
+        mod.qweight.copy_(mod.held_layout(qweight))
         mod.qzeros.copy_(qzeros)
         mod.scales.copy_(scales)
         if linear.bias is not None:
@@ -465,9 +485,40 @@ class AWQLinear(_HoldsTensors):
                              if v is not None})
         return mod.to(qweight.device)
 
+    def held_layout(self, qweight: torch.Tensor) -> torch.Tensor:
+        """An AWQ-layout ``qweight`` ``[K, N/8]`` of this layer's shape in the layout the layer holds."""
+        return fragment_layout(qweight) if self.qweight.dim() == 4 else awq_layout(qweight)
+
+    def awq_qweight(self) -> torch.Tensor:
+        """``qweight`` in the AWQ layout ``[K, N/8]`` (a conversion where the layer holds fragments)."""
+        return awq_layout(self.qweight)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:
+        key = prefix + "qweight"
+        t = state_dict.get(key)
+        if isinstance(t, torch.Tensor) and self.qweight is not None and t.dim() != self.qweight.dim():
+            awq_shape = (self.in_features, self.out_features // AWQ_PACK)
+            if t.dim() == 2 and tuple(t.shape) != awq_shape:
+                error_msgs.append(f"size mismatch for {key}: the AWQ-layout qweight has shape {tuple(t.shape)}; "
+                                  f"this layer takes [K, N/8] = {list(awq_shape)}")
+            elif t.dtype == torch.int32 and t.device.type != "meta":
+                state_dict[key] = self.held_layout(t) if t.dim() == 2 else awq_layout(t)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        key = prefix + "qweight"
+        if not keep_vars and key in destination and destination[key].dim() == 4:
+            destination[key] = awq_layout(destination[key])
+
     def dequantized_weight(self) -> torch.Tensor:
         """[K, N] weight in the activation dtype (rows in the stored order: see ``perm``)."""
-        w = awq_unpack(self.qweight)
+        if self.qweight.dim() == 4 and self.scales.dtype in AWQ_ACT_DTYPES:
+            # The fragment layout: the op dequantizes it, and the AWQ pass fuses a matmul of it.
+            return torch.ops.quantfuse.awq_dequantize(self.qweight, self.scales, self.qzeros, self.group_size)
+        w = awq_values(self.qweight)
         z = awq_unpack(self.qzeros).repeat_interleave(self.group_size, dim=0)
         return (w - z).to(self.scales.dtype) * self.scales.repeat_interleave(self.group_size, dim=0)
 

@@ -23,6 +23,9 @@ constexpr int kStripN = 64;
 // K % 16 == 0, N % 64 == 0.
 cudaError_t launch_repack(const uint32_t* qweight, uint32_t* out, int K, int N, cudaStream_t stream);
 
+// The fragment layout back to AWQ qweight [K, N/8].  K % 16 == 0, N % 64 == 0.
+cudaError_t launch_unrepack(const uint32_t* packed, uint32_t* qweight, int K, int N, cudaStream_t stream);
+
 // out[K, N] = (q - z) * s in the activation dtype, from the original AWQ layout.
 // N % 8 == 0, K % group_size == 0; scales 16-byte aligned.
 cudaError_t launch_dequantize(DType dtype, const uint32_t* qweight, const void* scales,

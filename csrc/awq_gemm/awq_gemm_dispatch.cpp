@@ -3,12 +3,18 @@
 // (thresholds measured on an H100):
 //
 // * M <= kDecodeMaxM: the weight-streaming tensor-core kernel (awq_gemm_strip.cuh) on the
-//   weight in its fragment layout, repacked once per weight (common/derived_cache.h);
+//   weight in its fragment layout;
 // * larger M on Hopper, where it takes the shape (group size a multiple of 64 or per-channel,
-//   K % 64, N % 128): the CUTLASS mixed-input kernel (awq_gemm_sm90.cuh) on the weight
-//   prepared once per weight; its tile configuration is chosen by awq_gemm_sm90_choice.h;
+//   K % 64, N % 128): the CUTLASS mixed-input kernel (awq_gemm_sm90.cuh) on the weight in its
+//   prepared layout; its tile configuration is chosen by awq_gemm_sm90_choice.h;
 // * otherwise the streaming kernel up to kKernelMaxM, above that the dequantize kernel to a
 //   dense weight and cuBLAS.
+//
+// A qweight in the fragment layout ([N/64, K/16, 32, 4], what AWQLinear holds) is read as it is
+// by the streaming kernel, and the prepared layout is made from it per call (one pass over the
+// weight, a few percent of a prefill GEMM's time) and dropped: the module's tensor is the only
+// copy of the weight.  A qweight in the AWQ layout ([K, N/8], other libraries' modules) gets
+// both layouts made once and kept beside it (common/derived_cache.h; explain() reports them).
 //
 // Inputs no kernel takes (N % 64, K or group size not multiples of 16, CPU or mixed devices,
 // pre-sm_80 GPUs, sizes beyond 32-bit indexing) and malformed inputs run the reference, which
@@ -52,8 +58,12 @@ std::string awq_reason(const at::Tensor* x, const at::Tensor& qweight, const at:
   if (scales.device() != dev || qzeros.device() != dev || (x && x->device() != dev) ||
       (bias.has_value() && bias->device() != dev))
     return "operands are not all on the device of qweight";
-  if (qweight.scalar_type() != at::kInt || qweight.dim() != 2) return "qweight is not a 2-D int32 tensor";
-  const int64_t K = qweight.size(0), N = qweight.size(1) * kPack;
+  const bool fragments = qweight.dim() == 4;
+  if (qweight.scalar_type() != at::kInt || !(qweight.dim() == 2 || (fragments && qweight.size(2) == 32 &&
+                                                                    qweight.size(3) == 4)))
+    return "qweight is neither int32 [K, N/8] nor int32 [N/64, K/16, 32, 4]";
+  const int64_t K = fragments ? qweight.size(1) * 16 : qweight.size(0);
+  const int64_t N = fragments ? qweight.size(0) * awq::kStripN : qweight.size(1) * kPack;
   if (scales.scalar_type() != at::kHalf && scales.scalar_type() != at::kBFloat16) return "scales are not float16/bfloat16";
   if (group_size <= 0 || K % group_size != 0) return "group_size does not divide K";
   const int64_t groups = K / group_size;
@@ -89,9 +99,22 @@ at::Tensor awq_gemm_dispatch(const at::Tensor& x_in, const at::Tensor& qweight, 
   if (!reason.empty())
     return reference_op<GemmRef>("quantfuse::_awq_gemm_reference")
         .call(x_in, qweight, scales_in, qzeros_in, group_size, bias_in, reason);
-  const int64_t M = x_in.size(0), K = qweight.size(0), N = qweight.size(1) * kPack;
+  const bool fragments = qweight.dim() == 4;
+  const int64_t M = x_in.size(0), K = x_in.size(1), N = scales_in.size(1);
   if (M == 0) return at::empty({0, N}, x_in.options());
   const std::optional<at::Tensor> bias = bias_in.has_value() ? std::optional<at::Tensor>(dense(*bias_in)) : std::nullopt;
+  if (fragments) {
+    const at::Tensor w = dense(qweight);
+    if (M > kDecodeMaxM && sm90_prefill_takes(x_in, K, N, group_size)) {
+      const at::Tensor scales = dense(scales_in);
+      auto [wq, zeros] = awq_prepare_sm90_from_fragments_cuda(w, scales, qzeros_in.contiguous(), group_size);
+      return awq_gemm_sm90_cuda(dense(x_in), wq, scales, zeros, group_size, bias, -1, -1);
+    }
+    const at::Tensor x = dense(x_in, 8), scales = dense(scales_in), qzeros = dense(qzeros_in);
+    if (M <= kKernelMaxM) return awq_gemm_cuda(x, w, scales, qzeros, group_size, bias, 0, 0, true);
+    const at::Tensor dq = awq_dequantize_cuda(awq_unrepack_cuda(w), scales, qzeros, group_size);
+    return bias.has_value() ? at::addmm(*bias, x, dq) : at::mm(x, dq);
+  }
   if (M > kDecodeMaxM && sm90_prefill_takes(x_in, K, N, group_size)) {
     const auto prepared = derived(kAwqPrepareSm90, {qweight, scales_in, qzeros_in}, group_size, [&] {
       auto [wq, s, z] = awq_prepare_sm90_cuda(qweight.contiguous(), scales_in.contiguous(), qzeros_in.contiguous(),
@@ -117,7 +140,8 @@ at::Tensor awq_dequantize_dispatch(const at::Tensor& qweight, const at::Tensor& 
   if (!reason.empty())
     return reference_op<DequantRef>("quantfuse::_awq_dequantize_reference")
         .call(qweight, scales, qzeros, group_size, reason);
-  return awq_dequantize_cuda(qweight.contiguous(), dense(scales), qzeros.contiguous(), group_size);
+  const at::Tensor awq = qweight.dim() == 4 ? awq_unrepack_cuda(qweight.contiguous()) : qweight.contiguous();
+  return awq_dequantize_cuda(awq, dense(scales), qzeros.contiguous(), group_size);
 }
 
 std::string awq_gemm_kernel_reason(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,

@@ -11,7 +11,8 @@
 //   awq_dequant.cuh, the group fold, the strip's reduction buffer and output store in
 //   awq_gemm_strip.cuh.
 // * awq_dequantize_kernel: the original AWQ layout to a dense [K, N] weight.
-// * awq_repack_kernel: the original AWQ layout to the GEMM's fragment layout.
+// * awq_repack_kernel: the original AWQ layout to the GEMM's fragment layout;
+//   awq_unrepack_kernel: back.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -292,6 +293,30 @@ __global__ void awq_repack_kernel(const uint32_t* __restrict__ qweight, uint32_t
   }
 }
 
+// The inverse of awq_repack_kernel: one thread per AWQ word (k, c), its 8 values gathered from
+// the fragment layout by the same index map.  For the paths that want the AWQ layout from a
+// weight held in fragments (dequantize, large M off Hopper): not on a decode path.
+__global__ void awq_unrepack_kernel(const uint32_t* __restrict__ packed, uint32_t* __restrict__ qweight, int K,
+                                    int N) {
+  const int KT = K >> 4;
+  const int n8 = N >> 3;
+  const size_t total = (size_t)K * n8;
+  for (size_t o = (size_t)blockIdx.x * blockDim.x + threadIdx.x; o < total; o += (size_t)gridDim.x * blockDim.x) {
+    const int k = (int)(o / n8), c = (int)(o % n8);
+    const int kt = k >> 4, kr = k & 15;
+    const int t = kr >> 2, jl = (kr >> 1) & 1, ih = kr & 1;
+    uint32_t word = 0;
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj) {
+      const int n = 8 * c + jj, strip = n / kStripN, r = n % kStripN;
+      const int lane = 4 * (r & 7) + t, j = 2 * (r >> 5) + jl, i = 4 * ih + 2 * ((r >> 3) & 1) + ((r >> 4) & 1);
+      const uint32_t src = __ldg(packed + (((size_t)strip * KT + kt) * 32 + lane) * 4 + j);
+      word |= ((src >> (4 * i)) & 0xFu) << (4 * awq_order(jj));
+    }
+    qweight[o] = word;
+  }
+}
+
 // ----------------------------------------------------------------------------- host side
 
 int sm_count(int device) { return quantfuse::sm_count(device, 132); }
@@ -438,6 +463,12 @@ unsigned grid_for(size_t work, int threads) {
 cudaError_t launch_repack(const uint32_t* qweight, uint32_t* out, int K, int N, cudaStream_t stream) {
   const size_t total = (size_t)(N / kStripN) * (K / 16) * 128;
   awq_repack_kernel<<<grid_for(total, 256), 256, 0, stream>>>(qweight, out, K, N);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_unrepack(const uint32_t* packed, uint32_t* qweight, int K, int N, cudaStream_t stream) {
+  const size_t total = (size_t)K * (N / 8);
+  awq_unrepack_kernel<<<grid_for(total, 256), 256, 0, stream>>>(packed, qweight, K, N);
   return cudaGetLastError();
 }
 

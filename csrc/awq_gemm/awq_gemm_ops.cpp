@@ -61,6 +61,22 @@ at::Tensor awq_repack_cuda(const at::Tensor& qweight) {
   return out;
 }
 
+at::Tensor awq_unrepack_cuda(const at::Tensor& packed) {
+  check_cuda_contig(packed, "packed");
+  QF_CHECK(packed.scalar_type() == at::kInt && packed.dim() == 4 && packed.size(2) == 32 && packed.size(3) == 4,
+           "quantfuse awq: 'packed' must be int32 of shape (N/64, K/16, 32, 4)");
+  const int64_t K = packed.size(1) * 16, N = packed.size(0) * quantfuse::awq::kStripN;
+  const c10::cuda::CUDAGuard guard(packed.device());
+  at::Tensor out = at::empty({K, N / 8}, packed.options());
+  if (K > 0 && N > 0) {
+    check_launch(quantfuse::awq::launch_unrepack(reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>()),
+                                                 reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>()), (int)K, (int)N,
+                                                 at::cuda::getCurrentCUDAStream()),
+                 "awq_unrepack");
+  }
+  return out;
+}
+
 }  // namespace quantfuse
 
 namespace {
@@ -182,6 +198,7 @@ bool awq_gemm_folds(int64_t M, int64_t N, int64_t device, int64_t warps) {
 
 TORCH_LIBRARY_FRAGMENT(quantfuse, m) {
   m.def("_awq_repack_cuda(Tensor qweight) -> Tensor");
+  m.def("_awq_unrepack_cuda(Tensor packed) -> Tensor");
   m.def("_awq_dequantize_cuda(Tensor qweight, Tensor scales, Tensor qzeros, int group_size) -> Tensor");
   m.def("_awq_gemm_cuda(Tensor x, Tensor wpacked, Tensor scales, Tensor qzeros, int group_size, "
         "Tensor? bias=None, int warps=0, int splits=0, bool cluster=True) -> Tensor");
@@ -191,6 +208,7 @@ TORCH_LIBRARY_FRAGMENT(quantfuse, m) {
 
 TORCH_LIBRARY_IMPL(quantfuse, CUDA, m) {
   m.impl("_awq_repack_cuda", &quantfuse::awq_repack_cuda);
+  m.impl("_awq_unrepack_cuda", &quantfuse::awq_unrepack_cuda);
   m.impl("_awq_dequantize_cuda", &quantfuse::awq_dequantize_cuda);
   m.impl("_awq_gemm_cuda", &quantfuse::awq_gemm_cuda);
 }

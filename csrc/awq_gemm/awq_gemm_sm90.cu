@@ -30,7 +30,56 @@ __global__ void pack_kernel(const uint8_t* __restrict__ tmp, uint8_t* __restrict
   out[i] = static_cast<uint8_t>((tmp[2 * i] & 0xF) | (tmp[2 * i + 1] << 4));
 }
 
+// The decode kernel's fragment layout (awq_gemm.h) to the prepared layout.  A (strip, k-step)
+// of the fragment layout, 128 words, holds the 64 x 16 (n, k) values of four 16x16 atoms that
+// sit side by side in the prepared layout (n-blocks fastest: 512 contiguous bytes).  Word j =
+// 2jh + jl of lane l = 4g + t holds in nibble i = 4ih + 2im + il the value at n = 32jh + 16il +
+// 8im + g, k = 4t + 2jl + ih of the block (awq_repack_kernel), whose place in the four atoms is
+// 256 * (n / 16) + QuantAtom(n % 16, k % 16) (awq_gemm_sm90.cuh):
+//   256 (2jh + il) + 32g + im + 4ih + 8 ((2t + jl) % 4) + 2 (t / 2).
+// Values are placed in shared memory one byte each, then written out as whole words: reads and
+// writes coalesced.  kTilesPerBlock blocks of the fragment layout per thread block.
+constexpr int kTilesPerBlock = 2;
+
+__global__ void from_fragments_kernel(const uint32_t* __restrict__ fragments, uint32_t* __restrict__ out, int64_t tiles,
+                                      int KT, int n_blocks) {
+  __shared__ __align__(16) uint8_t values[kTilesPerBlock][1024];
+  const int sub = threadIdx.x >> 7, o = threadIdx.x & 127;
+  const int64_t tile = int64_t(blockIdx.x) * kTilesPerBlock + sub;
+  const bool active = tile < tiles;
+  if (active) {
+    const uint32_t w = __ldcs(fragments + tile * 128 + o);
+    const int lane = o >> 2, j = o & 3, g = lane >> 2, t = lane & 3, jh = j >> 1, jl = j & 1;
+    const int fixed = 512 * jh + 32 * g + 8 * ((2 * t + jl) & 3) + 2 * (t >> 1);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int ih = i >> 2, im = (i >> 1) & 1, il = i & 1;
+      values[sub][fixed + 256 * il + im + 4 * ih] = static_cast<uint8_t>((w >> (4 * i)) & 0xFu);
+    }
+  }
+  __syncthreads();
+  if (!active) return;
+  const uint2 b = *reinterpret_cast<const uint2*>(&values[sub][8 * o]);
+  // Bytes 0..7 (one value each, little-endian) to nibbles 0..7.
+  const uint32_t lo = (b.x & 0xFu) | ((b.x >> 4) & 0xF0u) | ((b.x >> 8) & 0xF00u) | ((b.x >> 12) & 0xF000u);
+  const uint32_t hi = (b.y & 0xFu) | ((b.y >> 4) & 0xF0u) | ((b.y >> 8) & 0xF00u) | ((b.y >> 12) & 0xF000u);
+  const int strip = static_cast<int>(tile / KT), kt = static_cast<int>(tile % KT);
+  // The block's first atom: n-block 4 * strip, k-block kt; 256 values = 32 words per atom.
+  const int64_t base = (int64_t(kt) * n_blocks + 4 * strip) * 32;
+  __stcs(out + base + o, lo | (hi << 16));
+}
+
 }  // namespace
+
+cudaError_t launch_prepare_weight_from_fragments(const uint32_t* fragments, uint8_t* out, int K, int N,
+                                                 cudaStream_t stream) {
+  const int64_t tiles = int64_t(N / 64) * (K / 16);
+  if (tiles == 0) return cudaSuccess;
+  const unsigned blocks = static_cast<unsigned>((tiles + kTilesPerBlock - 1) / kTilesPerBlock);
+  from_fragments_kernel<<<blocks, 128 * kTilesPerBlock, 0, stream>>>(fragments, reinterpret_cast<uint32_t*>(out),
+                                                                      tiles, K / 16, N / 16);
+  return cudaGetLastError();
+}
 
 cudaError_t launch_prepare_weight(const uint32_t* qweight, uint8_t* tmp, uint8_t* out, int K, int N,
                                   cudaStream_t stream) {

@@ -35,6 +35,11 @@ constexpr int kAlignN = 128;  // N % 128 == 0 (weight-row tiles of 64 or 128)
 cudaError_t launch_prepare_weight(const uint32_t* qweight, uint8_t* tmp, uint8_t* out, int K, int N,
                                   cudaStream_t stream);
 
+// The same prepared weight from the decode kernel's fragment layout [N/64, K/16, 32, 4]
+// (awq_gemm.h) in one pass, no scratch.  K % 64 == 0, N % 128 == 0.
+cudaError_t launch_prepare_weight_from_fragments(const uint32_t* fragments, uint8_t* out, int K, int N,
+                                                 cudaStream_t stream);
+
 // zeros_out [K/g, N] = -z * s in the activation dtype (one rounding of an exact product).
 cudaError_t launch_prepare_zeros(DType dtype, const uint32_t* qzeros, const void* scales, void* zeros_out, int groups,
                                  int N, cudaStream_t stream);

@@ -92,6 +92,38 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> awq_prepare_sm90_cuda(const at::T
   return {wq, scales_out, zeros};
 }
 
+std::tuple<at::Tensor, at::Tensor> awq_prepare_sm90_from_fragments_cuda(const at::Tensor& fragments,
+                                                                        const at::Tensor& scales,
+                                                                        const at::Tensor& qzeros, int64_t group_size) {
+  check_cuda_contig(fragments, "fragments");
+  check_cuda_contig(scales, "scales");
+  check_cuda_contig(qzeros, "qzeros");
+  QF_CHECK(fragments.scalar_type() == at::kInt && fragments.dim() == 4 && fragments.size(2) == 32 &&
+               fragments.size(3) == 4,
+           "quantfuse awq_sm90: 'fragments' must be int32 of shape (N/64, K/16, 32, 4)");
+  const int64_t K = fragments.size(1) * 16, N = fragments.size(0) * 64;
+  check_shapes(K, N, group_size);
+  const int64_t groups = K / group_size;
+  const qa::DType dt = dtype_of(scales, "scales");
+  QF_CHECK(scales.dim() == 2 && scales.size(0) == groups && scales.size(1) == N,
+           "quantfuse awq_sm90: 'scales' must have shape (%lld, %lld)", (long long)groups, (long long)N);
+  QF_CHECK(qzeros.scalar_type() == at::kInt && qzeros.dim() == 2 && qzeros.size(0) == groups && qzeros.size(1) == N / 8,
+           "quantfuse awq_sm90: 'qzeros' must be int32 of shape (%lld, %lld)", (long long)groups, (long long)(N / 8));
+  const c10::cuda::CUDAGuard guard(fragments.device());
+  auto stream = at::cuda::getCurrentCUDAStream();
+  at::Tensor wq = at::empty({N, K / 2}, fragments.options().dtype(at::kByte));
+  at::Tensor zeros = at::empty({groups, N}, scales.options());
+  if (K > 0 && N > 0) {
+    check_cuda(qa::launch_prepare_weight_from_fragments(reinterpret_cast<const uint32_t*>(fragments.data_ptr<int32_t>()),
+                                                        wq.data_ptr<uint8_t>(), (int)K, (int)N, stream),
+               "awq_prepare_sm90 (fragments)");
+    check_cuda(qa::launch_prepare_zeros(dt, reinterpret_cast<const uint32_t*>(qzeros.data_ptr<int32_t>()),
+                                        scales.data_ptr(), zeros.data_ptr(), (int)groups, (int)N, stream),
+               "awq_prepare_sm90 (zeros)");
+  }
+  return {wq, zeros};
+}
+
 }  // namespace quantfuse
 
 namespace {
@@ -206,6 +238,8 @@ int64_t awq_sm90_rows(int64_t M, int64_t N, int64_t K, int64_t config, int64_t s
 TORCH_LIBRARY_FRAGMENT(quantfuse, m) {
   m.def("_awq_prepare_sm90_cuda(Tensor qweight, Tensor scales, Tensor qzeros, int group_size) "
         "-> (Tensor, Tensor, Tensor)");
+  m.def("_awq_prepare_sm90_from_fragments_cuda(Tensor fragments, Tensor scales, Tensor qzeros, int group_size) "
+        "-> (Tensor, Tensor)");
   m.def("_awq_gemm_sm90_cuda(Tensor x, Tensor wq, Tensor scales, Tensor zeros, int group_size, Tensor? bias=None, "
         "int config=-1, int pad=-1) -> Tensor");
   m.def("_awq_sm90_config(int M, int N, int K, int group_size, int sm_count=0) -> int", &awq_sm90_config);
@@ -214,5 +248,6 @@ TORCH_LIBRARY_FRAGMENT(quantfuse, m) {
 
 TORCH_LIBRARY_IMPL(quantfuse, CUDA, m) {
   m.impl("_awq_prepare_sm90_cuda", &quantfuse::awq_prepare_sm90_cuda);
+  m.impl("_awq_prepare_sm90_from_fragments_cuda", &quantfuse::awq_prepare_sm90_from_fragments_cuda);
   m.impl("_awq_gemm_sm90_cuda", &quantfuse::awq_gemm_sm90_cuda);
 }

@@ -11,6 +11,8 @@ namespace quantfuse {
 
 // qweight [K, N/8] (AWQ order) -> the decode kernel's fragment layout.
 at::Tensor awq_repack_cuda(const at::Tensor& qweight);
+// The fragment layout -> qweight [K, N/8] (AWQ order).
+at::Tensor awq_unrepack_cuda(const at::Tensor& packed);
 // [K, N] = (q - z) * s in the dtype of scales.
 at::Tensor awq_dequantize_cuda(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& qzeros,
                                int64_t group_size);
@@ -22,6 +24,11 @@ at::Tensor awq_gemm_cuda(const at::Tensor& x, const at::Tensor& wpacked, const a
 std::tuple<at::Tensor, at::Tensor, at::Tensor> awq_prepare_sm90_cuda(const at::Tensor& qweight,
                                                                      const at::Tensor& scales,
                                                                      const at::Tensor& qzeros, int64_t group_size);
+// Hopper prefill from a weight held in the fragment layout, made per call (nothing kept):
+// (wq, zeros) for awq_gemm_sm90_cuda with the caller's scales.
+std::tuple<at::Tensor, at::Tensor> awq_prepare_sm90_from_fragments_cuda(const at::Tensor& fragments,
+                                                                        const at::Tensor& scales,
+                                                                        const at::Tensor& qzeros, int64_t group_size);
 at::Tensor awq_gemm_sm90_cuda(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
                               const at::Tensor& zeros, int64_t group_size, const std::optional<at::Tensor>& bias,
                               int64_t config, int64_t pad);
