@@ -130,5 +130,24 @@ def explain(model, *example_inputs, dynamic=None, options=None):
     finally:
         _drop_entries(backend)
         _forget_shape_state(caller.__code__)
+    report.notes += _awq_provenance(model)
     log.info("%s", report)
     return report
+
+
+def _awq_provenance(model) -> list[str]:
+    """How ``quantize_model`` made the model's AWQ weights: round-to-nearest is not activation-aware."""
+    from collections import Counter
+
+    from .quantize import AWQLinear
+
+    made = Counter(m.made_by for m in model.modules() if isinstance(m, AWQLinear) and m.made_by)
+    notes = []
+    if made.get("round-to-nearest"):
+        notes.append(f"awq: {made['round-to-nearest']} layer(s) quantized round-to-nearest by quantize_model "
+                     "(no calibration data: not activation-aware; quantize_model(..., calibration=...) runs the "
+                     "AWQ search)")
+    for how, n in made.items():
+        if how != "round-to-nearest":
+            notes.append(f"awq: {n} layer(s) quantized by {how}")
+    return notes

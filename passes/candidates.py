@@ -10,6 +10,10 @@ are not candidates, and the backward matmuls of a joint (grad-mode) graph are
 not either: the passes fuse the forward only.  Each candidate is reported with the reason a pattern's check
 remembered on the node (``report.note_reason``), or, when no pattern matched
 its structure at all, with what its inputs look like.
+
+Other libraries' custom ops that read an int32 tensor (GPTQModel's exllama / marlin / triton kernels,
+AutoAWQ's and vLLM's packed-weight GEMMs) are opaque: what they compute cannot be seen, so each call
+is reported with that reason and where the fused kernels are (``from_pretrained`` on the checkpoint).
 """
 
 from __future__ import annotations
@@ -81,13 +85,32 @@ def quantized_source(node, depth: int = MAX_DEPTH, seen=None) -> str | None:
 
 
 _REPORTED_NODE = "quantfuse_candidate_reported"
+_OWN_NAMESPACES = ("aten", "prims", "quantfuse", "higher_order", "_c10d_functional", "c10d_functional")
+_OPAQUE_PACKED = ("an opaque custom op of another library reading packed int32 weights ({source}): quantfuse "
+                  "cannot see what it computes; for the fused kernels load the checkpoint with "
+                  "compile_backend.from_pretrained (GPTQ, AWQ, compressed-tensors), or for AWQ layers in "
+                  "torch form call compile_backend.prepare(model)")
+
+
+def _opaque_packed(node) -> str | None:
+    """The int32 operand of ``node`` when it is another library's custom op reading one, else None."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace in _OWN_NAMESPACES:
+        return None
+    for arg in node.all_input_nodes:
+        if _dtype(arg) == torch.int32:
+            return f"{arg.name} (int32)"
+    return None
 
 
 def report_unfused(graph: torch.fx.Graph) -> list[tuple[str, str]]:
     """Record every matmul still in ``graph`` whose inputs look quantized; returns (node, reason) pairs."""
     found = []
     for node in graph.nodes:
-        if node.op != "call_function" or node.target not in MATMULS | OPAQUE.keys():
+        if node.op != "call_function":
+            continue
+        packed = None if node.target in MATMULS | OPAQUE.keys() else _opaque_packed(node)
+        if node.target not in MATMULS | OPAQUE.keys() and packed is None:
             continue
         # The backward of a joint graph is eager's own autograd (grad_y @ w_deq and the like);
         # the passes fuse forward matmuls only.  A forward matmul is reported once: the
@@ -96,7 +119,9 @@ def report_unfused(graph: torch.fx.Graph) -> list[tuple[str, str]]:
         if is_backward(node) or node.meta.get(_REPORTED_NODE):
             continue
         node.meta[_REPORTED_NODE] = True
-        if node.target in OPAQUE:
+        if packed is not None:
+            source, reasons = packed, [_OPAQUE_PACKED.format(source=packed)]
+        elif node.target in OPAQUE:
             source, reasons = node.name, [OPAQUE[node.target]]
         elif node.target is aten._int_mm.default:
             source = f"{node.name} itself (int8 x int8 -> int32)"
@@ -105,7 +130,7 @@ def report_unfused(graph: torch.fx.Graph) -> list[tuple[str, str]]:
             source = next((s for s in (quantized_source(a) for a in operands) if s is not None), None)
         if source is None:
             continue
-        if node.target not in OPAQUE:
+        if node.target not in OPAQUE and packed is None:
             reasons = report.noted_reasons(node)
         if reasons:
             reason = "; ".join(reasons)

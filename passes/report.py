@@ -46,6 +46,7 @@ class FusionReport:
     unfused: list[Unfused] = field(default_factory=list)
     merged: list[Merged] = field(default_factory=list)
     not_merged: list[Merged] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     def counts(self) -> Counter:
         return Counter(f.family for f in self.fused)
@@ -59,6 +60,7 @@ class FusionReport:
         lines += [f"  merged   {m.family:<14} {len(m.members)} ops ({', '.join(m.members)}) into one, {m.detail}"
                   for m in self.merged]
         lines += [f"  not merged {m.family} {', '.join(m.members)}: {m.detail}" for m in self.not_merged]
+        lines += [f"  note     {n}" for n in self.notes]
         return "\n".join(lines)
 
 

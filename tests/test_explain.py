@@ -144,3 +144,56 @@ def test_explain_leaves_the_users_compiled_model_alone(graph_break):
     torch._dynamo.reset()
     assert len(compiles) == (2 if graph_break else 1)
     torch.testing.assert_close(again, first, rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------- other libraries' opaque ops
+
+_lib = torch.library.Library("qf_test_otherlib", "DEF")
+_lib.define("packed_gemm(Tensor x, Tensor qweight, Tensor scales) -> Tensor")
+
+
+@torch.library.impl(_lib, "packed_gemm", "CPU")
+def _packed_gemm(x, qweight, scales):
+    return x @ (qweight.to(x.dtype) * scales)
+
+
+@torch.library.register_fake("qf_test_otherlib::packed_gemm")
+def _packed_gemm_fake(x, qweight, scales):
+    return x.new_empty((x.shape[0], qweight.shape[1]))
+
+
+def test_opaque_op_reading_packed_weights_is_reported_with_the_way_to_fused_kernels():
+    """Another library's custom op on int32 weights (GPTQModel's exllama / marlin kernels): reported as
+    opaque, pointing to from_pretrained; a custom op on float tensors only is not a candidate."""
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("qweight", torch.randint(0, 15, (K, N), dtype=torch.int32))
+            self.register_buffer("scales", torch.rand(N))
+
+        def forward(self, x):
+            return torch.ops.qf_test_otherlib.packed_gemm(x, self.qweight, self.scales)
+
+    report = compile_backend.explain(Layer(), torch.randn(4, K))
+    (unfused,) = report.unfused
+    assert unfused.target == "qf_test_otherlib.packed_gemm.default" or "packed_gemm" in unfused.target, unfused
+    assert "opaque custom op" in unfused.reason and "from_pretrained" in unfused.reason, unfused.reason
+    assert report.fused == []
+
+
+def test_explain_says_how_awq_weights_were_made():
+    """Round-to-nearest is not activation-aware: explain() notes which AWQ layers quantize_model made so."""
+    from compile_backend.quantize import quantize_model
+
+    torch.manual_seed(0)
+    model = quantize_model(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)).half(), "awq-g32")
+    report = compile_backend.explain(model, torch.randn(3, 64, dtype=torch.float16))
+    (note,) = report.notes
+    assert "2 layer(s) quantized round-to-nearest" in note and "calibration=" in note
+    assert "note     awq: 2 layer(s)" in str(report)
+    model[0].made_by = "the AWQ search (calibrated)"
+    assert compile_backend.explain(model, torch.randn(3, 64, dtype=torch.float16)).notes == [
+        "awq: 1 layer(s) quantized round-to-nearest by quantize_model (no calibration data: not "
+        "activation-aware; quantize_model(..., calibration=...) runs the AWQ search)",
+        "awq: 1 layer(s) quantized by the AWQ search (calibrated)"]

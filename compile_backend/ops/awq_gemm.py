@@ -94,7 +94,6 @@ def awq_unpack(packed: torch.Tensor) -> torch.Tensor:
 
 _TO_W = (1, 3, 5, 6, 0, 4, 8, 7, 2)  # nibble tensor dims -> W's
 _TO_FRAGMENTS = (4, 0, 8, 1, 5, 2, 3, 7, 6)  # W's dims -> the nibble tensor's
-_NIBBLE_SHIFTS = tuple(4 * i for i in range(8))
 
 
 def fragment_layout_takes(K: int, N: int) -> bool:
@@ -102,12 +101,27 @@ def fragment_layout_takes(K: int, N: int) -> bool:
     return K > 0 and N > 0 and K % 16 == 0 and N % AWQ_STRIP_N == 0
 
 
+def _nibbles(words: torch.Tensor) -> torch.Tensor:
+    """int32 ``[..., W]`` -> uint8 ``[..., 8W]``: nibble ``i`` of word ``w`` at ``8w + i`` (bits 4i..4i+3)."""
+    b = words.contiguous().view(torch.uint8)  # little-endian: byte j holds nibbles 2j (low) and 2j + 1
+    return torch.stack((b & 0xF, b >> 4), -1).flatten(-2)
+
+
+def _words(nibbles: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``_nibbles``: uint8 values in [0, 15] ``[..., 8W]`` -> int32 ``[..., W]``."""
+    pairs = nibbles.reshape(*nibbles.shape[:-1], -1, 2)
+    return (pairs[..., 0] | (pairs[..., 1] << 4)).contiguous().view(torch.int32)
+
+
+def _unpack_fragments_u8(fragments: torch.Tensor) -> torch.Tensor:
+    S, KT = fragments.shape[:2]
+    nibbles = _nibbles(fragments)  # [S, KT, 32 lanes, 4 words x 8 nibbles]
+    return nibbles.reshape(S, KT, 8, 4, 2, 2, 2, 2, 2).permute(_TO_W).reshape(KT * 16, S * AWQ_STRIP_N)
+
+
 def unpack_fragments(fragments: torch.Tensor) -> torch.Tensor:
     """Fragment layout ``[N/64, K/16, 32, 4]`` int32 -> ``[K, N]`` int32 of 4-bit values."""
-    S, KT = fragments.shape[:2]
-    shifts = torch.tensor(_NIBBLE_SHIFTS, dtype=torch.int32, device=fragments.device)
-    nibbles = (fragments.unsqueeze(-1) >> shifts) & 0xF
-    return nibbles.reshape(S, KT, 8, 4, 2, 2, 2, 2, 2).permute(_TO_W).reshape(KT * 16, S * AWQ_STRIP_N)
+    return _unpack_fragments_u8(fragments).to(torch.int32)
 
 
 def pack_fragments(values: torch.Tensor) -> torch.Tensor:
@@ -117,27 +131,23 @@ def pack_fragments(values: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"pack_fragments: a [K, N] = [{K}, {N}] weight; the fragment layout needs K % 16 == 0 "
                          f"and N % {AWQ_STRIP_N} == 0")
     S, KT = N // AWQ_STRIP_N, K // 16
-    v = values.to(torch.int64).reshape(KT, 4, 2, 2, S, 2, 2, 2, 8).permute(_TO_FRAGMENTS).reshape(S, KT, 32, 4, 8)
-    word = v[..., 0]
-    for i in range(1, 8):
-        word = word | (v[..., i] << _NIBBLE_SHIFTS[i])
-    # The unsigned 32-bit pattern as int32 (subtract 2^32 where bit 31 is set).
-    return (word - ((word >> 31) << 32)).to(torch.int32).contiguous()
+    v = values.to(torch.uint8).reshape(KT, 4, 2, 2, S, 2, 2, 2, 8).permute(_TO_FRAGMENTS)
+    return _words(v.reshape(S, KT, 32, 32))
 
 
 def awq_to_fragments(qweight: torch.Tensor) -> torch.Tensor:
     """AWQ layout ``[K, N/8]`` -> fragment layout (what ``_awq_repack_cuda`` makes on the GPU)."""
-    return pack_fragments(awq_unpack(qweight))
+    K, C = qweight.shape
+    values = _nibbles(qweight).view(K, C, AWQ_PACK)[..., list(AWQ_ORDER)]  # column 8c + i: nibble AWQ_ORDER[i]
+    return pack_fragments(values.reshape(K, C * AWQ_PACK))
 
 
 def awq_from_fragments(fragments: torch.Tensor) -> torch.Tensor:
     """Fragment layout -> AWQ layout ``[K, N/8]``."""
-    values = unpack_fragments(fragments).to(torch.int64)
-    values = values.view(values.shape[0], -1, AWQ_PACK)
-    word = values[..., 0] << AWQ_SHIFTS[0]
-    for i in range(1, AWQ_PACK):
-        word = word | (values[..., i] << AWQ_SHIFTS[i])
-    return (word - ((word >> 31) << 32)).to(torch.int32).contiguous()
+    values = _unpack_fragments_u8(fragments)
+    K = values.shape[0]
+    by_nibble = [AWQ_ORDER.index(p) for p in range(AWQ_PACK)]  # the column in nibble p
+    return _words(values.view(K, -1, AWQ_PACK)[..., by_nibble].reshape(K, -1))
 
 
 def _cuda_op(t: torch.Tensor, name: str):

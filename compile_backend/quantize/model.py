@@ -108,6 +108,7 @@ def _quantize_linear(linear: nn.Linear, scheme: Scheme, dtype, search: AWQSearch
         # between a cast of its input and one of its output, as after AWQLinear.float(), so that
         # it takes and gives what its neighbours do.
         layer = AWQLinear.from_linear(src, group_size=scheme.group_size, dtype=scales_dtype)
+        layer.made_by = "the AWQ search (calibrated)" if search is not None else "round-to-nearest"
         if scales_dtype != out_dtype:
             layer = layer.to(out_dtype)
         return layer if input_scale is None else InputScaled(layer, input_scale)

@@ -391,6 +391,9 @@ class AWQLinear(_HoldsTensors):
     """
 
     out_dtype = _dtype_attribute("out_dtype", "the output dtype (see the class doc)")
+    # How quantize_model made the weights ("round-to-nearest", or "the AWQ search (calibrated)"); None
+    # for weights put in otherwise (a checkpoint, load_state_dict).  explain() reports it.
+    made_by: str | None = None
 
     def __init__(self, in_features: int, out_features: int, *, group_size: int = 128,
                  bias: bool = True, dtype: torch.dtype = torch.float16, act_order: bool = False):
