@@ -1,9 +1,10 @@
 """quantfuse: a torch.compile backend that fuses quantized matmuls into single CUDA kernels.
 
-``torch.compile(model, backend="quantfuse")`` works after installation without
-importing this package; import it for the ops (``torch.ops.quantfuse.*``),
-the quantized modules, ``quantize_model`` and ``prepare`` (``compile_backend.quantize``), ``explain``
-and ``from_pretrained``.  The package's map is docs/DESIGN.md's first section.
+``torch.compile(model, backend="quantfuse")`` works after installation without importing this
+package; import it for the ops (``torch.ops.quantfuse.*``), the quantized modules and
+``quantize_model`` (``compile_backend.quantize``), ``prepare`` (other libraries' 4-bit layers made
+``AWQLinear``s), ``explain`` and ``from_pretrained``.  The package's map is docs/DESIGN.md's first
+section.
 """
 
 from . import (  # noqa: F401  (imported for their registrations)
@@ -13,7 +14,8 @@ from . import (  # noqa: F401  (imported for their registrations)
 )
 from .backend import quantfuse
 from .explain import explain
-from .quantize import AWQLinear, W8A8Linear, W8A16Linear, prepare, quantize_model
+from .prepare import prepare
+from .quantize import AWQLinear, W8A8Linear, W8A16Linear, quantize_model
 
 __all__ = ["AWQLinear", "W8A8Linear", "W8A16Linear", "backend", "explain", "from_pretrained", "ops", "prepare",
            "quantfuse", "quantize_model"]

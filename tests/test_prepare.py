@@ -89,7 +89,7 @@ def test_act_order_and_malformed_candidates_are_left(caplog):
     model = nn.ModuleDict(dict(act=act, odd=odd))
     with caplog.at_level(logging.INFO, logger="quantfuse"):
         assert compile_backend.prepare(model) == []
-    assert "act-order" in caplog.text and "are not AWQ's" in caplog.text
+    assert "groups the input channels out of order" in caplog.text and "are neither AWQ's" in caplog.text
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -99,3 +99,75 @@ def test_dtypes_kept(dtype):
     model = nn.Sequential(AutoAWQLinear(src))
     assert compile_backend.prepare(model) == ["0"]
     assert model[0].scales.dtype == dtype and model[0].group_size == 32
+
+
+# --------------------------------------------------------------------------- GPTQ layers in torch form
+
+
+class TorchGPTQLinear(nn.Module):
+    """GPTQModel's torch kernel (``TorchQuantLinear``, what transformers' GPTQ gives with
+    ``backend="torch"``), its dequantization as written there: ``qweight [K/8, N]`` packed along K,
+    ``qzeros [G, N/8]`` along N (v1: each zero point minus one, ``v1=True``), ``g_idx`` per input channel,
+    ``W = scales[g_idx] * (q - z[g_idx])``."""
+
+    def __init__(self, q, z, s, g_idx, bias=None, v1=False):
+        super().__init__()
+        K, N = q.shape
+        shifts = torch.arange(0, 32, 4, dtype=torch.int64)
+        words = (q.to(torch.int64).reshape(K // 8, 8, N) << shifts[None, :, None]).sum(1)
+        stored_z = z - 1 if v1 else z
+        zwords = ((stored_z.to(torch.int64) & 0xF).reshape(z.shape[0], N // 8, 8) << shifts).sum(-1)
+        as_int32 = lambda w: (w - ((w >> 31) << 32)).to(torch.int32)  # noqa: E731
+        self.register_buffer("qweight", as_int32(words))
+        self.register_buffer("qzeros", as_int32(zwords))
+        self.register_buffer("scales", s)
+        self.register_buffer("g_idx", g_idx.to(torch.int32))
+        self.register_buffer("bias", bias)
+        self.bits, self.v1 = 4, v1
+        self.register_buffer("wf", torch.arange(0, 32, 4, dtype=torch.int32))
+
+    def forward(self, x):
+        weight = torch.bitwise_and(torch.bitwise_right_shift(self.qweight.unsqueeze(1), self.wf[None, :, None]), 15)
+        weight = weight.reshape(-1, weight.shape[-1])
+        zeros = torch.bitwise_and(torch.bitwise_right_shift(self.qzeros.unsqueeze(2), self.wf[None, None, :]), 15)
+        zeros = zeros.reshape(self.scales.shape) + (1 if self.v1 else 0)
+        g = self.g_idx.long()
+        w = self.scales[g] * (weight - zeros[g]).to(self.scales.dtype)
+        out = x @ w
+        return out if self.bias is None else out + self.bias
+
+
+def _gptq(K=128, N=64, G=32, act_order=False, v1=False, bias=True, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (K, N), generator=gen)
+    z = torch.randint(1 if v1 else 0, 16, (K // G, N), generator=gen)  # v1 cannot store a zero point of 0
+    s = (torch.rand(K // G, N, generator=gen) * 1e-2 + 1e-3).half()
+    g_idx = torch.arange(K) // G
+    if act_order:
+        g_idx = g_idx[torch.randperm(K, generator=gen)]
+    b = torch.randn(N, generator=gen).half() if bias else None
+    return TorchGPTQLinear(q, z, s, g_idx, b, v1=v1)
+
+
+@pytest.mark.parametrize("act_order", [False, True], ids=["in-order", "act-order"])
+@pytest.mark.parametrize("v1", [False, True], ids=["v2", "v1"])
+def test_gptq_torch_layers_become_awq_linear(act_order, v1):
+    model = nn.Sequential(_gptq(act_order=act_order, v1=v1), nn.ReLU(), _gptq(K=64, N=128, G=64, seed=1))
+    x = torch.randn(4, 128, dtype=torch.float16)
+    with torch.no_grad():
+        before = model(x)
+    assert compile_backend.prepare(model) == ["0", "2"]
+    first = model[0]
+    assert type(first) is AWQLinear and first.qweight.dim() == 4 and (first.perm is not None) == act_order
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), before, rtol=1e-3, atol=1e-3)
+        report = compile_backend.explain(model, x)
+    assert len(report.fused) == 2 and not report.unfused, str(report)
+
+
+def test_gptq_of_other_widths_is_left(caplog):
+    layer = _gptq()
+    layer.bits = 8
+    with caplog.at_level(logging.INFO, logger="quantfuse"):
+        assert compile_backend.prepare(nn.Sequential(layer)) == []
+    assert "8-bit GPTQ" in caplog.text

@@ -103,6 +103,24 @@ def regroup(g_idx: torch.Tensor, group: int) -> torch.Tensor | None:
     return torch.sort(g, stable=True).indices
 
 
+def awq_state(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
+              group: int, v1: bool) -> dict:
+    """A 4-bit GPTQ layer's tensors (module doc) as ``AWQLinear.from_state_dict`` takes them: ``qweight`` and
+    ``qzeros`` in the AWQ layout, ``scales``, and ``perm`` (None without act-order).  ``ValueError`` for a
+    ``g_idx`` with group indices out of range or groups of another size."""
+    K = qweight.shape[0] * 8
+    q = unpack_rows(qweight.t().contiguous()).t()  # [K, N]: row 8r + j from bits 4j of qweight[r]
+    z = unpack_rows(v1_to_v2_zeros(qzeros, 4) if v1 else qzeros)  # [K/G, N]
+    perm = None
+    if g_idx is not None:
+        if g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= K // group):
+            raise ValueError(f"holds group indices outside [0, {K // group})")
+        perm = regroup(g_idx, group)
+    if perm is not None:
+        q = q.index_select(0, perm)
+    return {"qweight": awq_pack(q), "qzeros": awq_pack(z), "scales": scales.contiguous(), "perm": perm}
+
+
 class GPTQFormat:
     """Reads one ``quantization_config`` of ``quant_method: gptq``."""
 
@@ -182,21 +200,13 @@ class GPTQFormat:
             scales = check_tensor(tensors["scales"], t["scales"], dtypes=(*HALF, torch.float32),
                                   shapes=[(K // group, N)])
             scales = half_scales(tensors["scales"], scales, dtype)
-            q = unpack_rows(qweight.t().contiguous()).t()  # [K, N]: row 8r + j from bits 4j of qweight[r]
-            z = unpack_rows(v1_to_v2_zeros(qzeros, 4) if self.v1 else qzeros)  # [K/G, N]
-            perm = None
+            g_idx = None
             if "g_idx" in t:
                 g_idx = check_tensor(tensors["g_idx"], t["g_idx"], dtypes=(torch.int32, torch.int64), shapes=[(K,)])
-                if g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= K // group):
-                    raise UnsupportedCheckpointError(
-                        f"checkpoint tensor {tensors['g_idx']!r} holds group indices outside [0, {K // group})")
-                try:
-                    perm = regroup(g_idx, group)
-                except ValueError as exc:
-                    raise UnsupportedCheckpointError(f"checkpoint tensor {tensors['g_idx']!r} {exc}") from None
-            if perm is not None:
-                q = q.index_select(0, perm)
-            state = {"qweight": awq_pack(q), "qzeros": awq_pack(z), "scales": scales.contiguous(), "perm": perm}
+            try:
+                state = awq_state(qweight, qzeros, scales, g_idx, group, self.v1)
+            except ValueError as exc:
+                raise UnsupportedCheckpointError(f"checkpoint tensor {tensors['g_idx']!r} {exc}") from None
             if "bias" in t:
                 state["bias"] = t["bias"].to(scales.dtype)
             try:

@@ -4,8 +4,7 @@
 * ``weights``: round-to-nearest quantizers and the AWQ packing;
 * ``model``: ``quantize_model`` and its ``SCHEMES``;
 * ``awq_search``: the activation-aware AWQ search ``quantize_model(..., calibration=...)`` runs;
-* ``merged``: the linears that share an input stored as views of one merged tensor;
-* ``prepare``: other libraries' AWQ layers replaced in place by ``AWQLinear`` (one layout per weight).
+* ``merged``: the linears that share an input stored as views of one merged tensor.
 """
 
 from ..ops.awq_gemm import AWQ_ORDER
@@ -13,7 +12,6 @@ from .awq_search import InputScaled, awq_search
 from .merged import share_input_storage
 from .model import SCHEMES, Scheme, quantize_model
 from .modules import AWQLinear, W8A8Linear, W8A16Linear, calls_op_eagerly, held_tensors, set_tensors
-from .prepare import prepare
 from .weights import (
     awq_pack,
     awq_unpack_values,
@@ -25,7 +23,6 @@ from .weights import (
 
 __all__ = [
     "AWQ_ORDER", "AWQLinear", "InputScaled", "SCHEMES", "Scheme", "W8A8Linear", "W8A16Linear", "awq_pack",
-    "awq_search", "awq_unpack_values", "calls_op_eagerly", "fake_quantize_awq", "held_tensors", "prepare",
-    "quantize_model",
+    "awq_search", "awq_unpack_values", "calls_op_eagerly", "fake_quantize_awq", "held_tensors", "quantize_model",
     "quantize_weight_awq", "quantize_weight_fp8", "quantize_weight_int8", "set_tensors", "share_input_storage",
 ]
