@@ -1051,6 +1051,30 @@ def _baseline_ttft(results, path, r=None):
         ((c.get("generate") or {}).get("ttft") or {}).get("ttft_ms")
 
 
+def _kernel_name(name: str) -> str:
+    """A profiler's kernel name without its return type, anonymous namespaces and argument list."""
+    name = name.removeprefix("void ").replace("(anonymous namespace)::", "")
+    return name.split("(", 1)[0] if "<" in name or "(" in name else name
+
+
+def _step_kernels(results) -> list[str]:
+    """Per loop measurement, the kernels of a decode step by GPU time: µs per step and launches per step."""
+    rows = []
+    for name, path, batch, r in _decode_rows(results):
+        prof = r.get("profile") or {}
+        kernels, steps = prof.get("top_kernels"), prof.get("steps")
+        if path != "loop" or not kernels or not steps:
+            continue
+        gpu = r.get("gpu_ms_per_step")
+        listed = "; ".join(f"{_md_cell(_kernel_name(k['name']), 60)} {1e3 * k['ms_per_step']:.0f} µs "
+                           f"×{k['calls'] / steps:g}" for k in kernels[:8])
+        rows.append(f"| {name} | {batch} | {_fmt(gpu)} | {listed} |")
+    if not rows:
+        return []
+    return ["", "Decode step kernels (loop; the profiled steps' largest kernels by GPU time: µs per step, launches "
+                "per step):\n", "| config | batch | GPU ms/step | kernels |", "|---|---|---|---|", *rows]
+
+
 def render_md(results) -> str:
     m = results["meta"]
     runs = m.get("runs", [m])
@@ -1099,6 +1123,7 @@ def render_md(results) -> str:
                    f"{_fmt(r.get('compile_s'), '.1f')} | {_fmt(peak, '.2f')} | "
                    f"{_fmt(peak / weights if peak and weights else None)} | {fused_s} | "
                    f"{_fmt(r.get('logits_rel_err'), '.2e')}{tokens_note} | {run} |")
+    out += _step_kernels(results)
     out += _generate_host_ops(results, run_no)
     out += ["", f"Prefill: time to first token, 1 x {a['prompt_len']} prompt. Loop: compiled prefill into a "
                 f"static cache (mode `{a['prefill_mode']}`), first token included; generate: "
