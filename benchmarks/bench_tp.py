@@ -316,4 +316,10 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # The results are written and the process group is gone: leave now.  The interpreter's teardown
+    # (compile worker pools, CUDA-graph and NCCL state) can keep torchrun waiting for minutes after the
+    # last result; nothing it would do is needed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
