@@ -70,12 +70,10 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from llama_shapes import MODELS  # noqa: E402
 
 DEFAULT_CONFIGS = "fp16,bf16,awq-g128,int8,int8-asym,fp8-rowwise"
-MODELS = {
-    "llama-3-8b": dict(layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8),
-    "llama-3-70b": dict(layers=80, hidden=8192, intermediate=28672, heads=64, kv_heads=8),
-}
 DENSE = {"fp16": torch.float16, "bf16": torch.bfloat16}
 PATHS = ("loop", "generate")
 DTYPES = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -360,7 +358,16 @@ def build_model(args, dtype: torch.dtype, device: str, scheme: str | None = None
     torch.set_default_dtype(dtype)
     try:
         if args.layerwise:
-            model = _build_layerwise(cfg, device, scheme)
+            from llama_shapes import build_layerwise
+
+            def quantize(layer):
+                if scheme:
+                    from compile_backend.quantize import quantize_model
+
+                    quantize_model(layer, scheme)
+                return layer
+
+            model = build_layerwise(cfg, device, quantize, seed=args.seed, log=log)
         else:
             with torch.device(device):
                 model = LlamaForCausalLM(cfg)
@@ -370,38 +377,6 @@ def build_model(args, dtype: torch.dtype, device: str, scheme: str | None = None
     gc_ = model.generation_config
     # Greedy, no EOS: every generate call produces exactly max_new_tokens.
     gc_.do_sample, gc_.eos_token_id, gc_.pad_token_id, gc_.bos_token_id = False, None, 0, None
-    return model
-
-
-def _build_layerwise(cfg, device: str, scheme: str | None):
-    """The model's skeleton on the meta device, then each part made on ``device`` (the default dtype), a
-    decoder layer quantized as soon as it is made: the dense weights of one layer at a time."""
-    from torch import nn
-    from transformers import LlamaForCausalLM
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
-
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
-    with torch.device(device):
-        inner = model.model
-        inner.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, cfg.pad_token_id)
-        inner.norm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        inner.rotary_emb = LlamaRotaryEmbedding(config=cfg)
-        model.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        for i in range(cfg.num_hidden_layers):
-            layer = LlamaDecoderLayer(cfg, layer_idx=i).requires_grad_(False)
-            if scheme:
-                from compile_backend.quantize import quantize_model
-
-                with torch.no_grad():
-                    quantize_model(layer, scheme)
-            inner.layers[i] = layer
-            if (i + 1) % 10 == 0 or i + 1 == cfg.num_hidden_layers:
-                log(f"  built {i + 1}/{cfg.num_hidden_layers} layers"
-                    + (f" ({torch.cuda.memory_allocated() / 1e9:.1f} GB allocated)" if device == "cuda" else ""))
-    meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    if meta:
-        raise RuntimeError(f"bench_e2e: the layer-wise build left tensors on the meta device: {meta[:5]}")
     return model
 
 

@@ -3,7 +3,10 @@
 Every rank builds the same ``LlamaForCausalLM`` (Llama-3-8B shapes by default: hidden 4096, intermediate
 14336, 32 heads / 8 KV heads, vocab 128256, 32 layers; random weights, fixed seed), quantizes it
 (``quantize_model``; lm_head stays dense), shards it with ``compile_backend.tensor_parallel.tensor_parallel``
-(q/k/v/gate/up column-wise, o/down row-wise, all-reduce before the bias) and compiles it:
+(q/k/v/gate/up column-wise, o/down row-wise, all-reduce before the bias) and compiles it.  ``--model
+llama-3-70b``: Llama-3-70B's shapes (hidden 8192, intermediate 28672, 64 heads / 8 KV heads, 80 layers),
+built layer by layer (``--layerwise``): each rank makes one decoder layer at a time, quantizes and shards
+it before the next, so no rank ever holds the dense model.  Configs:
 
 * ``fp16``                      the dense model under Inductor (the baseline)
 * ``awq-g128``, ``int8``, ...   quantized (any name in ``SCHEMES``), ``backend="quantfuse"``
@@ -34,6 +37,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from llama_shapes import MODELS, build_layerwise  # noqa: E402
 
 DEFAULT_CONFIGS = "fp16,awq-g128,int8,fp8-rowwise"
 
@@ -44,7 +49,10 @@ def parse_args(argv=None):
     ap.add_argument("--configs", default=DEFAULT_CONFIGS)
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--quick", action="store_true", help="2 layers, tiny dims on CPU, few steps")
-    ap.add_argument("--layers", type=int, default=None, help="default 32 (--quick 2)")
+    ap.add_argument("--model", default="llama-3-8b", choices=sorted(MODELS), help="the shapes (--quick: tiny)")
+    ap.add_argument("--layerwise", action="store_true",
+                    help="build, quantize and shard one decoder layer at a time (default for llama-3-70b)")
+    ap.add_argument("--layers", type=int, default=None, help="default: the model's (--quick 2)")
     ap.add_argument("--dtype", default="float16", help="the model's dtype (activations of every config)")
     ap.add_argument("--context", type=int, default=None, help="prompt before the decode steps (512; quick 16)")
     ap.add_argument("--steps", type=int, default=None, help="timed decode steps (128; quick 4)")
@@ -59,12 +67,15 @@ def parse_args(argv=None):
                     help="add to the configs of --out's results_tp.json (a run split over several invocations)")
     args = ap.parse_args(argv)
     big = not (args.quick and args.device == "cpu")
-    dims = dict(hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256) if big else \
+    shapes = MODELS[args.model]
+    dims = dict(hidden=shapes["hidden"], intermediate=shapes["intermediate"], heads=shapes["heads"],
+                kv_heads=shapes["kv_heads"], vocab=128256) if big else \
         dict(hidden=256, intermediate=512, heads=4, kv_heads=2, vocab=512)
     for k, v in dims.items():
         setattr(args, k, v)
+    args.layerwise = args.layerwise or args.model == "llama-3-70b"
     quick = dict(layers=2, context=16, steps=4, warmup=2, prompt_len=32, prefill_reps=1)
-    full = dict(layers=32, context=512, steps=128, warmup=5, prompt_len=2048, prefill_reps=5)
+    full = dict(layers=shapes["layers"], context=512, steps=128, warmup=5, prompt_len=2048, prefill_reps=5)
     for k, v in (quick if args.quick else full).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -79,7 +90,9 @@ def log(msg: str) -> None:
         print(f"[bench_tp {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def build_model(args, dev: torch.device):
+def build_model(args, dev: torch.device, per_layer=None):
+    """The model on ``dev`` in ``args.dtype``; with ``args.layerwise``, each decoder layer passed to
+    ``per_layer`` as soon as it is made (``llama_shapes.build_layerwise``)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
@@ -93,8 +106,11 @@ def build_model(args, dev: torch.device):
     old = torch.get_default_dtype()
     torch.set_default_dtype(args.dtype)
     try:
-        with dev:
-            model = LlamaForCausalLM(cfg)
+        if args.layerwise:
+            model = build_layerwise(cfg, dev, per_layer, seed=args.seed, log=log)
+        else:
+            with dev:
+                model = LlamaForCausalLM(cfg)
     finally:
         torch.set_default_dtype(old)
     return model.eval().requires_grad_(False)
@@ -141,10 +157,17 @@ def run_config(name: str, args, dev: torch.device, group) -> dict:
 
     r = {"name": name}
     t0 = time.perf_counter()
-    model = build_model(args, dev)
-    if name != args.dense:
-        quantize_model(model, name)
-    tensor_parallel(model, group)
+    def quantize_and_shard(module):
+        if name != args.dense:
+            quantize_model(module, name)
+        # The plan's patterns name a layer's linears under a parent ("*.self_attn.q_proj").
+        tensor_parallel(torch.nn.ModuleDict({"layer": module}) if args.layerwise else module, group)
+        return module
+
+    if args.layerwise:
+        model = build_model(args, dev, quantize_and_shard)
+    else:
+        model = quantize_and_shard(build_model(args, dev))
     r["build_s"] = time.perf_counter() - t0
     r["weights_gb_per_rank"] = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]) / 1e9
     backend = "inductor" if name == args.dense else "quantfuse"
@@ -282,7 +305,8 @@ def main(argv=None):
     args.dense = "fp16" if args.dtype == torch.float16 else "bf16" if args.dtype == torch.bfloat16 else "dense"
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     configs = [args.dense if c in ("fp16", "bf16", "dense") else c for c in configs]
-    res = {"meta": dict(world=dist.get_world_size(), layers=args.layers, hidden=args.hidden,
+    res = {"meta": dict(world=dist.get_world_size(), model=args.model, layerwise=args.layerwise, layers=args.layers,
+                        hidden=args.hidden,
                         intermediate=args.intermediate, heads=args.heads, kv_heads=args.kv_heads, vocab=args.vocab,
                         context=args.context, steps=args.steps, prompt_len=args.prompt_len, mode=args.mode,
                         dense=args.dense, torch=torch.__version__, argv=" ".join(sys.argv),

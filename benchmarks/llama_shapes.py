@@ -1,0 +1,46 @@
+"""What the end-to-end benchmarks share about the model: the Llama shapes they run (``MODELS``) and a
+layer-by-layer build (``build_layerwise``) that makes a large model without ever holding it dense."""
+
+from __future__ import annotations
+
+import torch
+
+MODELS = {
+    "llama-3-8b": dict(layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8),
+    "llama-3-70b": dict(layers=80, hidden=8192, intermediate=28672, heads=64, kv_heads=8),
+}
+
+
+def build_layerwise(cfg, device, per_layer=None, seed: int = 0, log=None):
+    """A ``LlamaForCausalLM`` of ``cfg`` in the default dtype: its skeleton on the meta device, then each part
+    made on ``device``, every decoder layer passed to ``per_layer(layer)`` (quantize, shard: it returns the
+    module to keep) as soon as it is made, so that one dense layer at a time exists.  Each part is made
+    from its own seed (``seed`` and its index): every rank of a tensor-parallel run makes the same weights."""
+    from torch import nn
+    from transformers import LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    with torch.device(device):
+        inner = model.model
+        torch.manual_seed(seed)
+        inner.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, cfg.pad_token_id)
+        inner.norm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        inner.rotary_emb = LlamaRotaryEmbedding(config=cfg)
+        model.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        for i in range(cfg.num_hidden_layers):
+            torch.manual_seed(seed * 1000003 + i + 1)
+            layer = LlamaDecoderLayer(cfg, layer_idx=i).requires_grad_(False)
+            if per_layer is not None:
+                with torch.no_grad():
+                    layer = per_layer(layer)
+            inner.layers[i] = layer
+            if log is not None and ((i + 1) % 10 == 0 or i + 1 == cfg.num_hidden_layers):
+                cuda = torch.device(device).type == "cuda"
+                log(f"  built {i + 1}/{cfg.num_hidden_layers} layers"
+                    + (f" ({torch.cuda.memory_allocated() / 1e9:.1f} GB allocated)" if cuda else ""))
+    meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if meta:
+        raise RuntimeError(f"build_layerwise: tensors left on the meta device: {meta[:5]}")
+    return model
