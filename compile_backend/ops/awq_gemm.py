@@ -77,6 +77,17 @@ def check_awq(op, qweight, scales, qzeros, group_size, x=None, bias=None):
     return K, N
 
 
+def awq_pack_unchecked(values: torch.Tensor) -> torch.Tensor:
+    """[R, N] ints in [0, 15] -> [R, N/8] int32 in AWQ order (the inverse of ``awq_unpack``; the values
+    are not checked: ``quantize.awq_pack`` checks them)."""
+    v = values.to(torch.int64).view(values.shape[0], -1, AWQ_PACK)
+    packed = v[..., 0] << AWQ_SHIFTS[0]
+    for i in range(1, AWQ_PACK):
+        packed |= v[..., i] << AWQ_SHIFTS[i]
+    # Reinterpret the unsigned 32-bit pattern as int32 (subtract 2^32 where bit 31 is set).
+    return (packed - ((packed >> 31) << 32)).to(torch.int32).contiguous()
+
+
 def awq_unpack(packed: torch.Tensor) -> torch.Tensor:
     """[R, N/8] int32 in AWQ order -> [R, N] int32 of 4-bit values."""
     shifts = torch.tensor(AWQ_SHIFTS, dtype=torch.int32, device=packed.device)
@@ -114,6 +125,7 @@ def _words(nibbles: torch.Tensor) -> torch.Tensor:
 
 
 def _unpack_fragments_u8(fragments: torch.Tensor) -> torch.Tensor:
+    """``unpack_fragments`` as uint8."""
     S, KT = fragments.shape[:2]
     nibbles = _nibbles(fragments)  # [S, KT, 32 lanes, 4 words x 8 nibbles]
     return nibbles.reshape(S, KT, 8, 4, 2, 2, 2, 2, 2).permute(_TO_W).reshape(KT * 16, S * AWQ_STRIP_N)
@@ -137,17 +149,12 @@ def pack_fragments(values: torch.Tensor) -> torch.Tensor:
 
 def awq_to_fragments(qweight: torch.Tensor) -> torch.Tensor:
     """AWQ layout ``[K, N/8]`` -> fragment layout (what ``_awq_repack_cuda`` makes on the GPU)."""
-    K, C = qweight.shape
-    values = _nibbles(qweight).view(K, C, AWQ_PACK)[..., list(AWQ_ORDER)]  # column 8c + i: nibble AWQ_ORDER[i]
-    return pack_fragments(values.reshape(K, C * AWQ_PACK))
+    return pack_fragments(awq_unpack(qweight))
 
 
 def awq_from_fragments(fragments: torch.Tensor) -> torch.Tensor:
     """Fragment layout -> AWQ layout ``[K, N/8]``."""
-    values = _unpack_fragments_u8(fragments)
-    K = values.shape[0]
-    by_nibble = [AWQ_ORDER.index(p) for p in range(AWQ_PACK)]  # the column in nibble p
-    return _words(values.view(K, -1, AWQ_PACK)[..., by_nibble].reshape(K, -1))
+    return awq_pack_unchecked(_unpack_fragments_u8(fragments))
 
 
 def _cuda_op(t: torch.Tensor, name: str):

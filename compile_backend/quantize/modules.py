@@ -120,17 +120,20 @@ class _HoldsTensors(nn.Module):
             _keep_held(self, before)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
-        # A tensor stored as a view of a merged one (the projections that share an input:
-        # merged.py) goes out as a contiguous tensor of its own, the documented format: savers
-        # refuse tensors that share memory (safetensors) or are not contiguous.  Costs a copy of
-        # those tensors while the state dict is held.
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if keep_vars:
             return
         for name, t in self._parameters.items():
             key = prefix + name
-            if t is not None and key in destination and _is_view_of_more(t):
-                destination[key] = destination[key].clone(memory_format=torch.contiguous_format)
+            if t is not None and key in destination:
+                destination[key] = self._saved(name, destination[key])
+
+    def _saved(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """Held tensor ``name`` (``t``, detached) as ``state_dict`` gives it: the documented format.  A
+        tensor stored as a view of a merged one (the projections that share an input: merged.py) goes
+        out as a contiguous tensor of its own: savers refuse tensors that share memory (safetensors)
+        or are not contiguous.  Costs a copy of those tensors while the state dict is held."""
+        return t.clone(memory_format=torch.contiguous_format) if _is_view_of_more(t) else t
 
 
 def _dtype_attribute(name: str, doc: str) -> property:
@@ -510,11 +513,9 @@ class AWQLinear(_HoldsTensors):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 
-    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-        key = prefix + "qweight"
-        if not keep_vars and key in destination and destination[key].dim() == 4:
-            destination[key] = awq_layout(destination[key])
+    def _saved(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        # The fragment layout goes out in the AWQ layout (a new tensor of its own).
+        return awq_layout(t) if name == "qweight" and t.dim() == 4 else super()._saved(name, t)
 
     def dequantized_weight(self) -> torch.Tensor:
         """[K, N] weight in the activation dtype (rows in the stored order: see ``perm``)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.awq_gemm import AWQ_PACK, AWQ_SHIFTS, awq_unpack
+from ..ops.awq_gemm import AWQ_PACK, awq_pack_unchecked, awq_unpack
 from ..ops.quantize_per_token import FP8_MAX, INT8_MAX, MIN_SCALE
 
 
@@ -18,17 +18,7 @@ def awq_pack(values: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"awq_pack: 'values' has shape {tuple(values.shape)}; expected [R, N] with N % 8 == 0")
     if values.numel() and (values.min() < 0 or values.max() > 15):
         raise ValueError("awq_pack: 'values' must lie in [0, 15]")
-    return _pack_nibbles(values)
-
-
-def _pack_nibbles(values: torch.Tensor) -> torch.Tensor:
-    """``awq_pack`` without the checks (values known to be ints in [0, 15], N % 8 == 0)."""
-    v = values.to(torch.int64).view(values.shape[0], -1, AWQ_PACK)
-    packed = v[..., 0] << AWQ_SHIFTS[0]
-    for i in range(1, AWQ_PACK):
-        packed |= v[..., i] << AWQ_SHIFTS[i]
-    # Reinterpret the unsigned 32-bit pattern as int32 (subtract 2^32 where bit 31 is set).
-    return (packed - ((packed >> 31) << 32)).to(torch.int32).contiguous()
+    return awq_pack_unchecked(values)
 
 
 def awq_unpack_values(packed: torch.Tensor) -> torch.Tensor:
@@ -115,8 +105,8 @@ def quantize_weight_awq(weight: torch.Tensor, group_size: int, dtype=torch.float
     if not torch.isfinite(scales).all():
         raise ValueError(f"quantize_weight_awq: weight values up to {w.abs().max().item():.4g} need scales "
                          f"beyond {dtype}'s range")
-    qweight = _pack_nibbles(q.reshape(N, K).t().to(torch.int32))
-    qzeros = _pack_nibbles(zeros.t().to(torch.int32))
+    qweight = awq_pack_unchecked(q.reshape(N, K).t().to(torch.int32))
+    qzeros = awq_pack_unchecked(zeros.t().to(torch.int32))
     return qweight, qzeros, scales.t().contiguous()
 
 

@@ -56,29 +56,6 @@ void check_cuda(cudaError_t err, const char* what) {
   QF_CHECK(err == cudaSuccess, "quantfuse awq_sm90: %s failed: %s", what, cudaGetErrorString(err));
 }
 
-// The group operands' checks (after the weight's): scales [K/g, N] float16 / bfloat16, qzeros int32
-// [K/g, N/8]; returns K/g.
-int64_t check_group_operands(const at::Tensor& scales, const at::Tensor& qzeros, int64_t K, int64_t N,
-                             int64_t group_size) {
-  check_shapes(K, N, group_size);
-  const int64_t groups = K / group_size;
-  dtype_of(scales, "scales");
-  QF_CHECK(scales.dim() == 2 && scales.size(0) == groups && scales.size(1) == N,
-           "quantfuse awq_sm90: 'scales' must have shape (%lld, %lld)", (long long)groups, (long long)N);
-  QF_CHECK(qzeros.scalar_type() == at::kInt && qzeros.dim() == 2 && qzeros.size(0) == groups && qzeros.size(1) == N / 8,
-           "quantfuse awq_sm90: 'qzeros' must be int32 of shape (%lld, %lld)", (long long)groups, (long long)(N / 8));
-  return groups;
-}
-
-// zeros [K/g, N] = -z * s (launch_prepare_zeros).
-void launch_zeros(const at::Tensor& qzeros, const at::Tensor& scales, at::Tensor& zeros, int64_t groups, int64_t N,
-                  cudaStream_t stream) {
-  check_cuda(qa::launch_prepare_zeros(dtype_of(scales, "scales"),
-                                      reinterpret_cast<const uint32_t*>(qzeros.data_ptr<int32_t>()), scales.data_ptr(),
-                                      zeros.data_ptr(), (int)groups, (int)N, stream),
-             "awq_prepare_sm90 (zeros)");
-}
-
 }  // namespace
 
 namespace quantfuse {
@@ -91,7 +68,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> awq_prepare_sm90_cuda(const at::T
   check_cuda_contig(qzeros, "qzeros");
   QF_CHECK(qweight.scalar_type() == at::kInt && qweight.dim() == 2, "quantfuse awq_sm90: 'qweight' must be 2-D int32");
   const int64_t K = qweight.size(0), N = qweight.size(1) * 8;
-  const int64_t groups = check_group_operands(scales, qzeros, K, N, group_size);
+  check_shapes(K, N, group_size);
+  const int64_t groups = K / group_size;
+  const qa::DType dt = dtype_of(scales, "scales");
+  QF_CHECK(scales.dim() == 2 && scales.size(0) == groups && scales.size(1) == N,
+           "quantfuse awq_sm90: 'scales' must have shape (%lld, %lld)", (long long)groups, (long long)N);
+  QF_CHECK(qzeros.scalar_type() == at::kInt && qzeros.dim() == 2 && qzeros.size(0) == groups && qzeros.size(1) == N / 8,
+           "quantfuse awq_sm90: 'qzeros' must be int32 of shape (%lld, %lld)", (long long)groups, (long long)(N / 8));
   const c10::cuda::CUDAGuard guard(qweight.device());
   auto stream = at::cuda::getCurrentCUDAStream();
   at::Tensor wq = at::empty({N, K / 2}, qweight.options().dtype(at::kByte));
@@ -102,7 +85,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> awq_prepare_sm90_cuda(const at::T
     check_cuda(qa::launch_prepare_weight(reinterpret_cast<const uint32_t*>(qweight.data_ptr<int32_t>()),
                                          tmp.data_ptr<uint8_t>(), wq.data_ptr<uint8_t>(), (int)K, (int)N, stream),
                "awq_prepare_sm90 (weight)");
-    launch_zeros(qzeros, scales, zeros, groups, N, stream);
+    check_cuda(qa::launch_prepare_zeros(dt, reinterpret_cast<const uint32_t*>(qzeros.data_ptr<int32_t>()),
+                                        scales.data_ptr(), zeros.data_ptr(), (int)groups, (int)N, stream),
+               "awq_prepare_sm90 (zeros)");
   }
   return {wq, scales_out, zeros};
 }
@@ -117,7 +102,13 @@ std::tuple<at::Tensor, at::Tensor> awq_prepare_sm90_from_fragments_cuda(const at
                fragments.size(3) == 4,
            "quantfuse awq_sm90: 'fragments' must be int32 of shape (N/64, K/16, 32, 4)");
   const int64_t K = fragments.size(1) * 16, N = fragments.size(0) * 64;
-  const int64_t groups = check_group_operands(scales, qzeros, K, N, group_size);
+  check_shapes(K, N, group_size);
+  const int64_t groups = K / group_size;
+  const qa::DType dt = dtype_of(scales, "scales");
+  QF_CHECK(scales.dim() == 2 && scales.size(0) == groups && scales.size(1) == N,
+           "quantfuse awq_sm90: 'scales' must have shape (%lld, %lld)", (long long)groups, (long long)N);
+  QF_CHECK(qzeros.scalar_type() == at::kInt && qzeros.dim() == 2 && qzeros.size(0) == groups && qzeros.size(1) == N / 8,
+           "quantfuse awq_sm90: 'qzeros' must be int32 of shape (%lld, %lld)", (long long)groups, (long long)(N / 8));
   const c10::cuda::CUDAGuard guard(fragments.device());
   auto stream = at::cuda::getCurrentCUDAStream();
   at::Tensor wq = at::empty({N, K / 2}, fragments.options().dtype(at::kByte));
@@ -126,7 +117,9 @@ std::tuple<at::Tensor, at::Tensor> awq_prepare_sm90_from_fragments_cuda(const at
     check_cuda(qa::launch_prepare_weight_from_fragments(reinterpret_cast<const uint32_t*>(fragments.data_ptr<int32_t>()),
                                                         wq.data_ptr<uint8_t>(), (int)K, (int)N, stream),
                "awq_prepare_sm90 (fragments)");
-    launch_zeros(qzeros, scales, zeros, groups, N, stream);
+    check_cuda(qa::launch_prepare_zeros(dt, reinterpret_cast<const uint32_t*>(qzeros.data_ptr<int32_t>()),
+                                        scales.data_ptr(), zeros.data_ptr(), (int)groups, (int)N, stream),
+               "awq_prepare_sm90 (zeros)");
   }
   return {wq, zeros};
 }
