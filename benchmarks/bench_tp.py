@@ -9,16 +9,23 @@ built layer by layer (``--layerwise``): each rank makes one decoder layer at a t
 it before the next, so no rank ever holds the dense model.  Configs:
 
 * ``fp16``                      the dense model under Inductor (the baseline)
-* ``awq-g128``, ``int8``, ...   quantized (any name in ``SCHEMES``), ``backend="quantfuse"``
+* ``awq-g128``, ``int8``, ...   quantized (any name in ``SCHEMES``), ``backend="quantfuse"``; the row-parallel
+                                all-reduces of decode sizes through symmetric memory (compile_backend/all_reduce.py)
+* ``<scheme>@nccl``             the same with every all-reduce through NCCL (the comparison)
 
-Per config: decode tok/s at batch 1 over a static cache (gpt-fast's tight loop, ``--mode``, default
-``reduce-overhead`` on CUDA), time to first token of a 1 x ``--prompt-len`` prefill (compiled, mode
-default), fused subgraphs per rank (none may stay unfused), all-reduces in the decode graph, logits error
-against the same sharded model in eager.  Times are the slowest rank's.  With ``--single`` (a
-``results_e2e.json`` of ``bench_e2e.py``) the single-GPU ratios to fp16 are printed next to these.
+One rank (``--nproc-per-node 1``) runs the model unsharded: the 1-GPU baseline of the scaling ratios.
+Per config and batch (``--batch``, default 1,8): decode tok/s over a static cache (gpt-fast's tight loop,
+``--mode``, default ``reduce-overhead`` on CUDA), GPU time per step (profiler), the rank's bytes floor (its
+weights but the embedding and its KV-cache share over a device-to-device copy's bandwidth measured in the
+same run), the all-reduce kernels' time per call, fused subgraphs per rank (none may stay unfused), logits
+error against the same sharded model in eager, peak memory per rank; and per config the time to first token
+of a 1 x ``--prompt-len`` prefill (compiled, mode default; ``--prompt-len 0`` skips it).  Times are the
+slowest rank's.  Each invocation writes ``--out``/results_tp_<n>gpu.json; ``--merge`` combines them into
+results_tp.{json,md,png} (ratios to fp16 on as many GPUs, and to the config's own 1-GPU run).
 
-    torchrun --nproc-per-node 2 benchmarks/bench_tp.py --out DIR                       # 2 GPUs, NCCL
-    torchrun --nproc-per-node 2 benchmarks/bench_tp.py --configs int8,fp8-rowwise --append --out DIR
+    torchrun --nproc-per-node 2 benchmarks/bench_tp.py --model llama-3-70b --out DIR     # 2 GPUs, NCCL
+    torchrun --nproc-per-node 1 benchmarks/bench_tp.py --model llama-3-70b --configs awq-g128 --out DIR
+    python benchmarks/bench_tp.py --merge DIR/results_tp_*gpu.json --out benchmarks
     torchrun --nproc-per-node 2 benchmarks/bench_tp.py --device cpu --quick --out DIR  # gloo, tiny dims
 
 NVLink multicast (NVLS) is kept off (``NCCL_NVLS_ENABLE=0`` unless set).
@@ -38,7 +45,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from llama_shapes import MODELS, build_layerwise  # noqa: E402
+from llama_shapes import MODELS, build_layerwise, step_bytes  # noqa: E402
 
 DEFAULT_CONFIGS = "fp16,awq-g128,int8,fp8-rowwise"
 
@@ -56,15 +63,18 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", default="float16", help="the model's dtype (activations of every config)")
     ap.add_argument("--context", type=int, default=None, help="prompt before the decode steps (512; quick 16)")
     ap.add_argument("--steps", type=int, default=None, help="timed decode steps (128; quick 4)")
+    ap.add_argument("--batch", default="1,8", help="decode batch sizes (comma list)")
+    ap.add_argument("--prof-steps", type=int, default=None, help="profiled decode steps for the GPU time (8; quick 2)")
     ap.add_argument("--warmup", type=int, default=None, help="decode steps before timing (5; quick 2)")
-    ap.add_argument("--prompt-len", type=int, default=None, help="prefill prompt (2048; quick 32)")
+    ap.add_argument("--prompt-len", type=int, default=None, help="prefill prompt (2048; quick 32; 0: no prefill)")
     ap.add_argument("--prefill-reps", type=int, default=None, help="timed prefills (5; quick 1)")
     ap.add_argument("--mode", default=None, help="decode compile mode (reduce-overhead on CUDA, default on CPU)")
-    ap.add_argument("--single", default=None, help="results_e2e.json of a single-GPU bench_e2e.py run to compare")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="directory for results_tp.{json,md} (default: print only)")
     ap.add_argument("--append", action="store_true",
-                    help="add to the configs of --out's results_tp.json (a run split over several invocations)")
+                    help="add to the configs of --out's results_tp_<n>gpu.json (a run split over invocations)")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                    help="no run: combine results_tp_<n>gpu.json files into --out's results_tp.{json,md,png}")
     args = ap.parse_args(argv)
     big = not (args.quick and args.device == "cpu")
     shapes = MODELS[args.model]
@@ -74,14 +84,16 @@ def parse_args(argv=None):
     for k, v in dims.items():
         setattr(args, k, v)
     args.layerwise = args.layerwise or args.model == "llama-3-70b"
-    quick = dict(layers=2, context=16, steps=4, warmup=2, prompt_len=32, prefill_reps=1)
-    full = dict(layers=shapes["layers"], context=512, steps=128, warmup=5, prompt_len=2048, prefill_reps=5)
+    quick = dict(layers=2, context=16, steps=4, warmup=2, prompt_len=32, prefill_reps=1, prof_steps=2)
+    full = dict(layers=shapes["layers"], context=512, steps=128, warmup=5, prompt_len=2048, prefill_reps=5,
+                prof_steps=8)
     for k, v in (quick if args.quick else full).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
     if args.mode is None:
         args.mode = "reduce-overhead" if args.device == "cuda" else "default"
     args.dtype = getattr(torch, args.dtype)
+    args.batches = [int(b) for b in args.batch.split(",") if b.strip()]
     return args
 
 
@@ -147,6 +159,29 @@ def cache_kwarg(model) -> str:
     return "past_key_values" if "past_key_values" in inspect.signature(model.forward).parameters else "cache"
 
 
+def profile_decode(run, steps: int) -> dict:
+    """GPU time per decode step (the profiler's device-side kernel time over ``steps`` steps, CUDA-graph
+    replays included) and the all-reduce kernels' share of it."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run(steps)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if getattr(e, "device_type", None) == DeviceType.CUDA]
+
+    def us(e):
+        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+
+    reduce = [e for e in kernels if any(k in e.key.lower() for k in ("allreduce", "all_reduce"))]
+    return dict(gpu_ms_per_step=sum(us(e) for e in kernels) / 1e3 / steps,
+                all_reduce_us_per_step=sum(us(e) for e in reduce) / steps,
+                all_reduce_calls_per_step=sum(e.count for e in reduce) / steps,
+                all_reduce_kernels=sorted({e.key[:80] for e in reduce}),
+                top_kernels=[dict(name=e.key[:80], us_per_step=us(e) / steps, calls_per_step=e.count / steps)
+                             for e in sorted(kernels, key=us, reverse=True)[:10]])
+
+
 def run_config(name: str, args, dev: torch.device, group) -> dict:
     from torch._dynamo.utils import counters
     from transformers import StaticCache
@@ -155,13 +190,22 @@ def run_config(name: str, args, dev: torch.device, group) -> dict:
     from compile_backend.quantize import quantize_model
     from compile_backend.tensor_parallel import tensor_parallel
 
-    r = {"name": name}
+    scheme, _, variant = name.partition("@")
+    if variant not in ("", "nccl"):
+        raise ValueError(f"config {name!r}: unknown variant {variant!r}; expected '<scheme>' or '<scheme>@nccl'")
+    world = dist.get_world_size()
+    r = {"name": name, "world": world, "all_reduce": "nccl" if variant or world == 1 else "symm_mem"}
     t0 = time.perf_counter()
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+
     def quantize_and_shard(module):
-        if name != args.dense:
-            quantize_model(module, name)
-        # The plan's patterns name a layer's linears under a parent ("*.self_attn.q_proj").
-        tensor_parallel(torch.nn.ModuleDict({"layer": module}) if args.layerwise else module, group)
+        if scheme != args.dense:
+            quantize_model(module, scheme)
+        if world > 1:  # one rank holds the whole model: nothing to shard, no all-reduce
+            # The plan's patterns name a layer's linears under a parent ("*.self_attn.q_proj").
+            tensor_parallel(torch.nn.ModuleDict({"layer": module}) if args.layerwise else module, group,
+                            low_latency=not variant)
         return module
 
     if args.layerwise:
@@ -170,35 +214,61 @@ def run_config(name: str, args, dev: torch.device, group) -> dict:
         model = quantize_and_shard(build_model(args, dev))
     r["build_s"] = time.perf_counter() - t0
     r["weights_gb_per_rank"] = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]) / 1e9
-    backend = "inductor" if name == args.dense else "quantfuse"
+    backend = "inductor" if scheme == args.dense else "quantfuse"
     r["backend"] = backend
     ck = cache_kwarg(model)
     timer = Timer(dev)
     gen = torch.Generator().manual_seed(args.seed)
-    torch._dynamo.reset()
+    r["decode"] = {}
+    for B in args.batches:
+        torch._dynamo.reset()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(dev)
+        d = r["decode"][f"b{B}"] = decode(model, B, args, dev, gen, ck, timer, backend, counters, collecting_report,
+                                          StaticCache)
+        log(f"{name} batch {B}: {d['tok_per_s']:.1f} tok/s ({d['ms_per_step']:.2f} ms/step"
+            + (f", GPU {d['gpu_ms_per_step']:.2f}, floor {d['floor_ms']:.2f}, all-reduce "
+               f"{d['all_reduce_us_per_call']:.1f} us/call" if "gpu_ms_per_step" in d else "")
+            + f"), fused {d['fused']} per rank, unfused {len(d['unfused'])}, logits err {d['logits_err']:.3g}, "
+            f"peak {d.get('peak_gb', float('nan')):.2f} GB"
+            + (f"; CUDA graphs skipped {d['cudagraph_skips']}x" if d["cudagraph_skips"] else ""))
+    if args.prompt_len:
+        r["prefill_ms"] = prefill(model, args, dev, gen, ck, timer, backend, StaticCache)
+        log(f"{name}: prefill 1 x {args.prompt_len}: {r['prefill_ms']:.2f} ms")
+    model = None
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return r
 
-    # decode, batch 1
-    cache = StaticCache(config=model.config, max_cache_len=args.context + args.warmup + args.steps + 8)
-    prompt = torch.randint(0, args.vocab, (1, args.context), generator=gen).to(dev)
+
+def decode(model, B, args, dev, gen, ck, timer, backend, counters, collecting_report, StaticCache) -> dict:
+    """Decode at batch ``B`` over a static cache: tok/s, GPU time and its floor, fused counts, logits error."""
+    r = {"batch": B}
+    cache = StaticCache(config=model.config, max_cache_len=args.context + args.warmup + args.steps
+                        + args.prof_steps + 8)
+    prompt = torch.randint(0, args.vocab, (B, args.context), generator=gen).to(dev)
 
     def call(fn, tok, pos):
         return fn(input_ids=tok, position_ids=pos, use_cache=True, **{ck: cache}).logits
 
     step_fn = torch.compile(model.forward, backend=backend, dynamic=False,
                             mode=None if args.mode == "default" else args.mode)
-    def prefill():  # the cache keeps its own count of positions: a step is compared from the same state
+
+    def prefill_cache():  # the cache keeps its own count of positions: a step is compared from the same state
         cache.reset()
-        return call(model.forward, prompt, torch.arange(args.context, device=dev).unsqueeze(0))[:, -1:].argmax(-1)
+        positions = torch.arange(args.context, device=dev).unsqueeze(0).expand(B, -1)
+        return call(model.forward, prompt, positions)[:, -1:].argmax(-1)
 
     with torch.no_grad():
-        tok = prefill()
-        pos = torch.full((1, 1), args.context, device=dev, dtype=torch.long)
+        tok = prefill_cache()
+        pos = torch.full((B, 1), args.context, device=dev, dtype=torch.long)
         ref = call(model.forward, tok, pos).float()
-        prefill()
+        prefill_cache()
         counters.clear()
         with collecting_report() as report:
-            logits, r["decode_first_call_s"] = timer(lambda: call(step_fn, tok, pos))
-        r["decode_logits_err"] = rel_err(logits, ref)
+            logits, r["first_call_s"] = timer(lambda: call(step_fn, tok, pos))
+        r["logits_err"] = rel_err(logits, ref)
         r["fused"], r["unfused"] = len(report.fused), [str(u) for u in report.unfused]
         r["graphs"] = counters["stats"]["unique_graphs"]
         r["cudagraph_skips"] = dict(counters["inductor"]).get("cudagraph_skips", 0)
@@ -212,17 +282,27 @@ def run_config(name: str, args, dev: torch.device, group) -> dict:
 
         timer(lambda: steps(args.warmup))
         _, wall = timer(lambda: steps(args.steps))
-        r["decode_ms_per_step"] = wall * 1e3 / args.steps
-        r["tok_per_s"] = args.steps / wall
-    log(f"{name}: {r['tok_per_s']:.1f} tok/s ({r['decode_ms_per_step']:.2f} ms/step), fused {r['fused']} per rank, "
-        f"unfused {len(r['unfused'])}, logits err {r['decode_logits_err']:.3g}"
-        + (f"; CUDA graphs skipped {r['cudagraph_skips']}x" if r["cudagraph_skips"] else ""))
-    step_fn = cache = None  # free the decode graph and cache before the prefill's
+        r["ms_per_step"] = wall * 1e3 / args.steps
+        r["tok_per_s"] = B * args.steps / wall
+        if dev.type == "cuda":
+            r["peak_gb"] = torch.cuda.max_memory_allocated(dev) / 1e9
+            if args.prof_steps:
+                r.update(profile_decode(steps, args.prof_steps))
+                r["all_reduce_us_per_call"] = (r["all_reduce_us_per_step"] / r["all_reduce_calls_per_step"]
+                                               if r["all_reduce_calls_per_step"] else 0.0)
+                heads = model.config.num_key_value_heads // dist.get_world_size()
+                r["bytes_per_step"] = step_bytes(model, B, args.context + args.warmup + args.steps / 2, kv_heads=heads)
+                r["floor_ms"] = r["bytes_per_step"] / args.copy_bw * 1e3
+                r["floor_over_gpu"] = r["floor_ms"] / r["gpu_ms_per_step"]
+    return r
 
-    # prefill 1 x prompt_len, first token included
+
+def prefill(model, args, dev, gen, ck, timer, backend, StaticCache) -> float:
+    """Time to first token of a 1 x ``args.prompt_len`` prompt, compiled (mode default), median ms."""
     cache = StaticCache(config=model.config, max_cache_len=args.prompt_len + 8)
     ids = torch.randint(0, args.vocab, (1, args.prompt_len), generator=gen).to(dev)
     positions = torch.arange(args.prompt_len, device=dev).unsqueeze(0)
+    torch._dynamo.reset()
     prefill_fn = torch.compile(model.forward, backend=backend, dynamic=False)
 
     def first_token(fn):
@@ -231,64 +311,121 @@ def run_config(name: str, args, dev: torch.device, group) -> dict:
 
     with torch.no_grad():
         cache.reset()
-        _, r["prefill_first_call_s"] = timer(lambda: first_token(prefill_fn))
+        timer(lambda: first_token(prefill_fn))
         times = []
         for i in range(args.prefill_reps + 1):
             cache.reset()
             _, dt = timer(lambda: first_token(prefill_fn))
             if i:
                 times.append(dt)
-        r["prefill_ms"] = statistics.median(times) * 1e3
-    log(f"{name}: prefill 1 x {args.prompt_len}: {r['prefill_ms']:.2f} ms")
-    prefill_fn = cache = model = None
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
-    return r
+    return statistics.median(times) * 1e3
 
 
-def single_gpu_ratios(path: str) -> dict:
-    """tok/s and prefill ratios to fp16 of a bench_e2e.py run (loop path, batch 1)."""
-    configs = json.load(open(path))["configs"]
-    base = configs.get("fp16", {})
-    out = {}
-    for name, c in configs.items():
-        try:
-            out[name] = dict(decode=c["loop"]["b1"]["tok_per_s"] / base["loop"]["b1"]["tok_per_s"],
-                             prefill=base["prefill"]["ttft_ms"] / c["prefill"]["ttft_ms"])
-        except (KeyError, TypeError, ZeroDivisionError):
-            continue
-    return out
+def _rows(runs: list):
+    """(run, config name, batch key, decode record) of every decode measurement."""
+    for run in runs:
+        for name, r in run["configs"].items():
+            for key, d in r.get("decode", {}).items():
+                yield run, name, key, d
 
 
-def render_md(res: dict) -> str:
-    m = res["meta"]
-    lines = [f"# Tensor parallel {m['world']}: {m['layers']}-layer Llama (hidden {m['hidden']}, intermediate "
-             f"{m['intermediate']}, {m['heads']}/{m['kv_heads']} heads, vocab {m['vocab']}), random weights", "",
-             f"- {m['device']}; torch {m['torch']}; `{m['argv']}`",
-             f"- decode: batch 1, context {m['context']}, {m['steps']} timed steps, mode `{m['mode']}`; prefill "
-             f"1 x {m['prompt_len']} (mode default, first token included); times of the slowest rank", "",
-             "| config | backend | tok/s | x fp16 | single-GPU x fp16 | ms/step | prefill ms | x fp16 | "
-             "single-GPU x fp16 | fused/rank | unfused | logits err | GB/rank |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    base = res["configs"].get(m["dense"], {})
-    single = res.get("single", {})
-    for name, r in res["configs"].items():
-        if "error" in r:
-            lines.append(f"| {name} | error: {r['error'][:200]} |" + " |" * 11)
-            continue
-        dx = r["tok_per_s"] / base["tok_per_s"] if "tok_per_s" in base else float("nan")
-        px = base["prefill_ms"] / r["prefill_ms"] if "prefill_ms" in base else float("nan")
-        s = single.get(name, {})
-        nan = float("nan")
-        lines.append(f"| {name} | {r['backend']} | {r['tok_per_s']:.1f} | {dx:.2f} | {s.get('decode', nan):.2f} "
-                     f"| {r['decode_ms_per_step']:.2f} | {r['prefill_ms']:.2f} | {px:.2f} | "
-                     f"{s.get('prefill', nan):.2f} | {r['fused']} | {len(r['unfused'])} | "
-                     f"{r['decode_logits_err']:.2e} | {r['weights_gb_per_rank']:.3f} |")
+def render_md(merged: dict) -> str:
+    runs = sorted(merged["runs"], key=lambda run: run["meta"]["world"])
+    m = runs[0]["meta"]
+    nan = float("nan")
+    # (world, config, batch) -> tok/s; (scheme, batch) -> its 1-GPU tok/s
+    tps = {(run["meta"]["world"], name, key): d["tok_per_s"] for run, name, key, d in _rows(runs)}
+    lines = [f"# Tensor parallel: {m['layers']}-layer Llama ({m['model']} shapes: hidden {m['hidden']}, intermediate "
+             f"{m['intermediate']}, {m['heads']}/{m['kv_heads']} heads, vocab {m['vocab']}), random weights", ""]
+    for run in runs:
+        r = run["meta"]
+        lines.append(f"- {r['world']} x {r['device']}, {r.get('date', '')}; torch {r['torch']}; copy bandwidth "
+                     f"{(r.get('copy_bw') or nan) / 1e12:.2f} TB/s; `{r['argv']}`")
+    lines += [f"- decode: context {m['context']}, {m['steps']} timed steps (tight loop, mode `{m['mode']}`), GPU time "
+              "from the profiler over the profiled steps; floor = the bytes a rank's step reads (its weights but the "
+              "embedding, its KV-cache share) over the copy bandwidth; all-reduce: the all-reduce kernels' GPU time "
+              f"per call; prefill 1 x {m['prompt_len']} (first token included); times of the slowest rank; "
+              "`@nccl`: every all-reduce through NCCL", "",
+              "| GPUs | config | batch | tok/s | x fp16 (same GPUs) | x own 1 GPU | ms/step | GPU ms | floor ms | "
+              "floor/GPU | all-reduce µs/call | prefill ms | fused/rank | unfused | logits err | GB/rank | peak GB |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for run in runs:
+        world, dense = run["meta"]["world"], run["meta"]["dense"]
+        for name, r in run["configs"].items():
+            if "error" in r:
+                lines.append(f"| {world} | {name} | | error: {r['error'][:200]} |" + " |" * 13)
+                continue
+            for key, d in r.get("decode", {}).items():
+                base = tps.get((world, dense, key), nan)
+                own = tps.get((1, name.partition("@")[0], key), nan)
+                lines.append(
+                    f"| {world} | {name} | {d['batch']} | {d['tok_per_s']:.1f} | {d['tok_per_s'] / base:.2f} | "
+                    f"{d['tok_per_s'] / own:.2f} | {d['ms_per_step']:.2f} | {d.get('gpu_ms_per_step', nan):.2f} | "
+                    f"{d.get('floor_ms', nan):.2f} | {d.get('floor_over_gpu', nan):.2f} | "
+                    f"{d.get('all_reduce_us_per_call', nan):.1f} | {r.get('prefill_ms', nan):.1f} | {d['fused']} | "
+                    f"{len(d['unfused'])} | {d['logits_err']:.2e} | {r['weights_gb_per_rank']:.2f} | "
+                    f"{d.get('peak_gb', nan):.2f} |")
     return "\n".join(lines) + "\n"
+
+
+def render_png(merged: dict, path: str) -> None:
+    """tok/s per config against the number of GPUs, batch 1 and 8."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    rows = list(_rows(merged["runs"]))
+    batches = sorted({d["batch"] for *_, d in rows})
+    fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4), squeeze=False)
+    for ax, b in zip(axes[0], batches):
+        by = {}
+        for run, name, _, d in rows:
+            if d["batch"] == b:
+                by.setdefault(name, []).append((run["meta"]["world"], d["tok_per_s"]))
+        for name, pts in sorted(by.items()):
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+        ax.set_xlabel("GPUs")
+        ax.set_ylabel("tok/s")
+        ax.set_title(f"decode, batch {b}")
+        ax.set_xticks(sorted({w for pts in by.values() for w, _ in pts}))
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def merge(paths: list, out: str) -> dict:
+    """Runs of several invocations (``results_tp_<n>gpu.json``) into ``out``/results_tp.{json,md,png}; a
+    later file's configs replace an earlier one's of the same number of GPUs."""
+    by_world = {}
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        for run in data.get("runs", [data]):
+            world = run["meta"]["world"]
+            if world in by_world:
+                by_world[world]["configs"].update(run["configs"])
+            else:
+                by_world[world] = run
+    merged = {"runs": [by_world[w] for w in sorted(by_world)]}
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "results_tp.json"), "w") as f:
+        json.dump(merged, f, indent=1)
+    with open(os.path.join(out, "results_tp.md"), "w") as f:
+        f.write(render_md(merged))
+    render_png(merged, os.path.join(out, "results_tp.png"))
+    return merged
 
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.merge:
+        print(render_md(merge(args.merge, args.out or ".")), flush=True)
+        return 0
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if args.device == "cuda":
@@ -302,25 +439,29 @@ def main(argv=None):
         dist.init_process_group("gloo")
     import compile_backend  # noqa: F401  (registers the ops and the backend)
 
+    args.copy_bw = None
+    if args.device == "cuda":
+        from timing import copy_bandwidth
+
+        args.copy_bw = copy_bandwidth()
+    world = dist.get_world_size()
     args.dense = "fp16" if args.dtype == torch.float16 else "bf16" if args.dtype == torch.bfloat16 else "dense"
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     configs = [args.dense if c in ("fp16", "bf16", "dense") else c for c in configs]
-    res = {"meta": dict(world=dist.get_world_size(), model=args.model, layerwise=args.layerwise, layers=args.layers,
-                        hidden=args.hidden,
-                        intermediate=args.intermediate, heads=args.heads, kv_heads=args.kv_heads, vocab=args.vocab,
-                        context=args.context, steps=args.steps, prompt_len=args.prompt_len, mode=args.mode,
-                        dense=args.dense, torch=torch.__version__, argv=" ".join(sys.argv),
+    res = {"meta": dict(world=world, model=args.model, layerwise=args.layerwise, layers=args.layers,
+                        hidden=args.hidden, intermediate=args.intermediate, heads=args.heads, kv_heads=args.kv_heads,
+                        vocab=args.vocab, context=args.context, steps=args.steps, prompt_len=args.prompt_len,
+                        mode=args.mode, dense=args.dense, torch=torch.__version__, argv=" ".join(sys.argv),
+                        copy_bw=args.copy_bw, date=time.strftime("%Y-%m-%d"),
                         device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"),
            "configs": {}}
-    previous = os.path.join(args.out or "", "results_tp.json")
-    if args.append and args.out and os.path.exists(previous):
-        with open(previous) as f:
+    path = os.path.join(args.out or "", f"results_tp_{world}gpu.json")
+    if args.append and args.out and os.path.exists(path):
+        with open(path) as f:
             res["configs"] = json.load(f)["configs"]
-    if args.single:
-        res["single"] = single_gpu_ratios(args.single)
     group = dist.group.WORLD
     for name in configs:
-        log(f"{name}: build, quantize, shard over {dist.get_world_size()} ranks")
+        log(f"{name}: build, quantize, shard over {world} ranks")
         try:
             res["configs"][name] = run_config(name, args, dev, group)
         except Exception as exc:  # the others still run; the error is in the table
@@ -328,13 +469,12 @@ def main(argv=None):
             print(f"[rank {dist.get_rank()}] {name} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         if dist.get_rank() == 0 and args.out:
             os.makedirs(args.out, exist_ok=True)
-            with open(os.path.join(args.out, "results_tp.json"), "w") as f:
+            with open(path, "w") as f:
                 json.dump(res, f, indent=1)
-            with open(os.path.join(args.out, "results_tp.md"), "w") as f:
-                f.write(render_md(res))
     if dist.get_rank() == 0:
-        print(render_md(res), flush=True)
-    failed = [n for n, r in res["configs"].items() if "error" in r or r.get("unfused")]
+        print(render_md({"runs": [res]}), flush=True)
+    failed = [n for n, r in res["configs"].items()
+              if "error" in r or any(d.get("unfused") for d in r.get("decode", {}).values())]
     dist.destroy_process_group()
     return 1 if failed else 0
 

@@ -44,3 +44,17 @@ def build_layerwise(cfg, device, per_layer=None, seed: int = 0, log=None):
     if meta:
         raise RuntimeError(f"build_layerwise: tensors left on the meta device: {meta[:5]}")
     return model
+
+
+def step_bytes(model, batch: int, positions: float, kv_heads: int | None = None) -> int:
+    """Bytes one decode step must read: every parameter and buffer but the embedding table, the
+    embedding rows of its tokens, and the KV cache up to ``positions`` (``kv_heads``: the heads this
+    process holds, default the config's; a tensor-parallel rank holds its share)."""
+    embed = model.get_input_embeddings().weight
+    total = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()] if t is not embed)
+    total += batch * embed.shape[1] * embed.element_size()
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    heads = c.num_key_value_heads if kv_heads is None else kv_heads
+    kv = c.num_hidden_layers * 2 * batch * heads * head_dim * positions * embed.element_size()
+    return int(total + kv)

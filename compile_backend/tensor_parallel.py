@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import _functional_collectives as funcol
 
+from . import all_reduce
 from .derived import HeldParameter
 from .ops.awq_gemm import AWQ_PACK
 from .quantize.modules import AWQLinear, W8A8Linear, W8A16Linear, set_tensors
@@ -56,12 +57,18 @@ LLAMA_PLAN = {
 
 
 class RowParallelLinear(nn.Module):
-    """A row-parallel shard: ``all_reduce(local(x)) + bias``; ``local`` has no bias, ``bias`` is the full one."""
+    """A row-parallel shard: ``all_reduce(local(x)) + bias``; ``local`` has no bias, ``bias`` is the full one.
 
-    def __init__(self, local: nn.Module, bias: torch.Tensor | None, group: dist.ProcessGroup):
+    ``low_latency``: the group has a symmetric-memory buffer on this rank's device (``all_reduce.enable``),
+    and the all-reduces it takes (``all_reduce.fits``: decode sizes) run ``quantfuse::symm_all_reduce``;
+    the others, and every one without it, NCCL."""
+
+    def __init__(self, local: nn.Module, bias: torch.Tensor | None, group: dist.ProcessGroup,
+                 low_latency: bool = False):
         super().__init__()
         self.local = local
         self.group = group
+        self.low_latency = low_latency
         self.in_features = local.in_features  # this rank's share of K
         self.out_features = local.out_features
         if isinstance(bias, HeldParameter):
@@ -75,11 +82,16 @@ class RowParallelLinear(nn.Module):
             self.register_buffer("bias", bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = funcol.all_reduce(self.local(x), "sum", self.group)
+        y = self.local(x)
+        if self.low_latency and all_reduce.fits(y):
+            y = all_reduce.symm_all_reduce(y, self.group.group_name)
+        else:
+            y = funcol.all_reduce(y, "sum", self.group)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
-        return f"all_reduce over {dist.get_world_size(self.group)} ranks, bias={self.bias is not None}"
+        how = "symmetric memory at decode sizes, else NCCL" if self.low_latency else "the group's backend"
+        return f"all_reduce over {dist.get_world_size(self.group)} ranks ({how}), bias={self.bias is not None}"
 
 
 # --------------------------------------------------------------------------- sharding one layer
@@ -189,8 +201,10 @@ _SHARDERS = ((W8A8Linear, _shard_w8a8), (W8A16Linear, _shard_w8a16), (AWQLinear,
              (nn.Linear, _shard_linear))
 
 
-def shard_linear(module: nn.Module, style: str, group: dist.ProcessGroup, name: str = "linear") -> nn.Module:
-    """This rank's shard of one linear layer: the local module (column-wise) or a ``RowParallelLinear``."""
+def shard_linear(module: nn.Module, style: str, group: dist.ProcessGroup, name: str = "linear",
+                 low_latency: bool = False) -> nn.Module:
+    """This rank's shard of one linear layer: the local module (column-wise) or a ``RowParallelLinear``
+    (``low_latency``: see there; the caller has called ``all_reduce.enable`` for the group)."""
     if style not in (COLWISE, ROWWISE):
         raise ValueError(f"tensor_parallel: layer {name!r}: style {style!r}; expected {COLWISE!r} or {ROWWISE!r}")
     sharder = next((fn for cls, fn in _SHARDERS if isinstance(module, cls)), None)
@@ -201,7 +215,7 @@ def shard_linear(module: nn.Module, style: str, group: dist.ProcessGroup, name: 
     rank, ranks = dist.get_rank(group), dist.get_world_size(group)
     local, bias = sharder(module, name, style, rank, ranks)
     local._tp_shard = (style, rank, ranks)  # this rank's part of a layer: sharding it again is an error
-    return local if style == COLWISE else RowParallelLinear(local, bias, group)
+    return local if style == COLWISE else RowParallelLinear(local, bias, group, low_latency)
 
 
 # --------------------------------------------------------------------------- the model
@@ -226,7 +240,15 @@ def _resolve_group(mesh_or_group) -> dist.ProcessGroup:
                     "DeviceMesh, a ProcessGroup or None (the default group)")
 
 
-def tensor_parallel(model: nn.Module, mesh_or_group=None, plan: dict | None = None) -> nn.Module:
+def _device_of(model: nn.Module) -> torch.device:
+    for t in (*model.parameters(), *model.buffers()):
+        if not t.is_meta:
+            return t.device
+    return torch.device("cpu")
+
+
+def tensor_parallel(model: nn.Module, mesh_or_group=None, plan: dict | None = None, *,
+                    low_latency: bool = True) -> nn.Module:
     """Shard ``model``'s linear layers over ``mesh_or_group`` in place, as ``plan`` says; returns the model.
 
     ``plan`` maps module-name patterns (``fnmatch``, matched against the qualified name) to ``"colwise"``
@@ -234,6 +256,11 @@ def tensor_parallel(model: nn.Module, mesh_or_group=None, plan: dict | None = No
     weights).  Every layer is checked and sharded before any is swapped in, so an error (a size the
     ranks do not divide, an AWQ group across shards) leaves the model unchanged.  A plan that matches
     no layer raises ``ValueError``.
+
+    ``low_latency``: on CUDA, the row-parallel all-reduces of decode sizes run torch's symmetric-memory
+    one-shot / two-shot kernels (``compile_backend.all_reduce``), larger ones NCCL.  Registering the
+    buffer is a collective, once per group and device: every rank calls this with the same value (the
+    environment's ``QUANTFUSE_ALL_REDUCE=nccl`` turns it off everywhere).
     """
     group = _resolve_group(mesh_or_group)
     plan = LLAMA_PLAN if plan is None else plan
@@ -248,7 +275,9 @@ def tensor_parallel(model: nn.Module, mesh_or_group=None, plan: dict | None = No
         todo.append((qualified, module, styles.pop()))
     if not todo:
         raise ValueError(f"tensor_parallel: the plan's patterns {sorted(plan)} match no module of the model")
-    made = [(qualified, shard_linear(module, style, group, qualified)) for qualified, module, style in todo]
+    low_latency = low_latency and all_reduce.enable(group, _device_of(model))
+    made = [(qualified, shard_linear(module, style, group, qualified, low_latency))
+            for qualified, module, style in todo]
     for qualified, shard in made:
         parent_name, _, attr = qualified.rpartition(".")
         setattr(model.get_submodule(parent_name), attr, shard)
