@@ -58,3 +58,38 @@ def step_bytes(model, batch: int, positions: float, kv_heads: int | None = None)
     heads = c.num_key_value_heads if kv_heads is None else kv_heads
     kv = c.num_hidden_layers * 2 * batch * heads * head_dim * positions * embed.element_size()
     return int(total + kv)
+
+
+# The linears of a decoder layer that read one activation: one act-order each (GPTQ orders a layer's
+# input channels by its inputs' statistics, which q/k/v, and gate/up, share).
+SAME_INPUT = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
+              ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
+
+
+def gptq_act_order(layer, seed: int = 0):
+    """A decoder layer quantized to AWQLinear (``quantize_model(layer, "awq-g…")``) as a GPTQ ``desc_act``
+    checkpoint loads: each linear rebuilt from its state with a random input-channel order (``perm``; the
+    rows as stored, each group contiguous), the linears that read one activation sharing one order, as
+    ``compile_backend.checkpoints.gptq`` makes them; then their storage merged as ``quantize_model``'s is."""
+    from compile_backend.quantize.merged import share_input_storage
+    from compile_backend.quantize.modules import AWQLinear, set_tensors
+
+    gen = torch.Generator().manual_seed(seed)
+    for names in SAME_INPUT:
+        members = [(n, layer.get_submodule(n)) for n in names]
+        if not all(isinstance(m, AWQLinear) for _, m in members):
+            raise TypeError(f"gptq_act_order: {names} are not all AWQLinear layers")
+        perm = torch.randperm(members[0][1].in_features, generator=gen).to(members[0][1].scales.device)
+        held = None
+        for name, module in members:
+            state = {k: v for k, v in module.state_dict().items() if v is not None}
+            rebuilt = AWQLinear.from_state_dict({**state, "perm": perm}, group_size=module.group_size)
+            rebuilt.out_dtype = module.out_dtype
+            if held is None:
+                held = rebuilt.perm
+            else:  # one tensor for the group (GPTQFormat.shared_perm)
+                set_tensors(rebuilt, perm=held)
+            parent, _, attr = name.rpartition(".")
+            setattr(layer.get_submodule(parent), attr, rebuilt.to(module.scales.device))
+    share_input_storage(layer)
+    return layer

@@ -1,14 +1,15 @@
 """Tensor parallelism: two processes (gloo on CPU, in CI; on a GPU machine both ranks on GPU 0 through
-gloo, and NCCL where there are two GPUs), a tiny Hugging Face Llama quantized (attention int8 W8A8, MLP
+gloo), and two or four through NCCL where there are as many GPUs (their decode-size all-reduces through
+symmetric memory, compile_backend/all_reduce.py), a tiny Hugging Face Llama quantized (attention int8 W8A8, MLP
 AWQ g32, biases on every linear), sharded with
 ``tensor_parallel`` (q/k/v/gate/up column-wise, o/down row-wise) and compiled with ``backend="quantfuse"``.
 
-Both ranks run one spawn (``tp_results``: one compile per process, the bulk of the time) and report;
+The ranks run one spawn (``tp_results``: one compile per process, the bulk of the time) and report;
 the tests check what they reported:
 
 * every sharded linear of the compiled graph (dynamic shapes: one graph serves two input shapes) is
-  fused on both ranks and the graph holds the row-parallel all-reduces;
-* the logits equal the unsharded eager model's (the same on both ranks); the row-parallel bias is
+  fused on every rank and the graph holds the row-parallel all-reduces;
+* the logits equal the unsharded eager model's (the same on every rank); the row-parallel bias is
   added once (a bias added on each rank would be off by the bias, far beyond the tolerance);
 * the shards' buffers follow their weights; an AWQ group across two shards raises, naming the layer,
   the group size and the shard size, and leaves the model unchanged; so does sharding a model twice.
@@ -26,8 +27,8 @@ transformers = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.compile
 
-WORLD = 2
-HEADS, KV_HEADS, VOCAB = 4, 2, 64
+# Heads: 8 query / 4 key-value, so that 2 and 4 ranks split them evenly.
+HEADS, KV_HEADS, VOCAB = 8, 4, 64
 # (hidden, intermediate): tiny on CPU; on a GPU, sizes every shard's fused op runs a CUDA kernel for
 # (K and N multiples of 128 or more per rank) rather than the reference
 SIZES = {"cpu": (64, 128), "cuda": (256, 512)}
@@ -72,7 +73,7 @@ def _rel(a, b) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def _worker(rank: int, port: int, out: str, mode: str) -> None:
+def _worker(rank: int, world: int, port: int, out: str, mode: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -80,7 +81,7 @@ def _worker(rank: int, port: int, out: str, mode: str) -> None:
     dev = torch.device("cuda", rank if backend == "nccl" else 0) if device == "cuda" else torch.device("cpu")
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         _run(rank, out, dev)
     finally:
@@ -133,11 +134,12 @@ def _run(rank: int, out: str, dev: torch.device) -> None:
                          gate=tuple(gate.awq_qweight().shape),
                          down=tuple(layer.mlp.down_proj.local.awq_qweight().shape))
     f = full["model.layers.0.self_attn.q_proj"]
-    n = f["weight"].shape[0] // WORLD
+    world = dist.get_world_size()
+    n = f["weight"].shape[0] // world
     res["q_follow"] = all(torch.equal(getattr(layer.self_attn.q_proj, k), f[k][rank * n:(rank + 1) * n])
                           for k in ("weight", "weight_scale", "bias"))
     f = full["model.layers.0.mlp.down_proj"]
-    k = f["qweight"].shape[0] // WORLD
+    k = f["qweight"].shape[0] // world
     down = layer.mlp.down_proj
     res["down_follow"] = (torch.equal(down.local.awq_qweight(), f["qweight"][rank * k:(rank + 1) * k])
                           and torch.equal(down.local.scales, f["scales"][rank * k // 32:(rank + 1) * k // 32])
@@ -150,7 +152,8 @@ def _run(rank: int, out: str, dev: torch.device) -> None:
         via_mesh = _model(hidden, intermediate, mesh=dist.group.WORLD).to(dev)
         res["mesh_rowwise"] = isinstance(via_mesh.model.layers[0].mlp.down_proj, RowParallelLinear)
         res["mesh_equal"] = torch.equal(via_mesh(ids, use_cache=False).logits.float().cpu(), res["sharded"])
-    _run_from_pretrained(rank, out, dev, res)
+    if world == 2:  # the checkpoint's 2 key-value heads split over 2 ranks only
+        _run_from_pretrained(rank, out, dev, res)
 
     torch._dynamo.reset()
     counters.clear()
@@ -198,22 +201,25 @@ def _run_from_pretrained(rank: int, out: str, dev: torch.device, res: dict) -> N
         res["ckpt_err"] = _rel(sharded(ids).logits.float().cpu(), whole)
 
 
-@pytest.fixture(scope="module", params=[
-    "cpu",
-    pytest.param("cuda-shared", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")),
-    pytest.param("cuda-nccl", marks=pytest.mark.skipif(torch.cuda.device_count() < WORLD,
-                                                       reason=f"needs {WORLD} CUDA GPUs"))])
+def _gpus(n: int):
+    return pytest.mark.skipif(torch.cuda.device_count() < n, reason=f"needs {n} CUDA GPU{'s' * (n > 1)}")
+
+
+@pytest.fixture(scope="module", params=[("cpu", 2), pytest.param(("cuda-shared", 2), marks=_gpus(1)),
+                                        pytest.param(("cuda-nccl", 2), marks=_gpus(2)),
+                                        pytest.param(("cuda-nccl", 4), marks=_gpus(4))],
+                ids=lambda p: f"{p[0]}-{p[1]}")
 def tp_results(request, tmp_path_factory):
     import torch.multiprocessing as mp
 
+    mode, world = request.param
     out = str(tmp_path_factory.mktemp("tp"))
-    mp.spawn(_worker, args=(_free_port(), out, request.param), nprocs=WORLD, join=True)
-    return [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(WORLD)]
+    mp.spawn(_worker, args=(world, _free_port(), out, mode), nprocs=world, join=True)
+    return [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(world)]
 
 
 def test_every_linear_fused_on_every_rank(tp_results):
     for rank, res in enumerate(tp_results):
-        assert res["world"] == WORLD
         assert res["graphs"] == 1, (rank, res["graphs"])
         assert not res["unfused"], (rank, res["unfused"])
         # 7 sharded linears, each one fused subgraph: q/k/v/o int8, gate/up/down AWQ
@@ -237,14 +243,16 @@ def test_outputs_match_unsharded_model(tp_results):
         err = _rel(res["compiled_other"], res["sharded_other"])
         assert err < TOL_COMPILED, (rank, "dynamic shapes: batch 3, length 13", err)
     # the ranks' outputs are replicated after the last all-reduce
-    assert _rel(tp_results[1]["compiled"], tp_results[0]["compiled"]) < 1e-6
+    for res in tp_results[1:]:
+        assert _rel(res["compiled"], tp_results[0]["compiled"]) < 1e-6
 
 
 def test_shards_follow_their_weights(tp_results):
     for rank, res in enumerate(tp_results):
         h, i = res["sizes"]
-        assert res["shapes"] == dict(q=(h // WORLD, h), o=(h, h // WORLD), gate=(h, i // WORLD // 8),
-                                     down=(i // WORLD, h // 8)), (rank, res["shapes"])
+        w = res["world"]
+        assert res["shapes"] == dict(q=(h // w, h), o=(h, h // w), gate=(h, i // w // 8),
+                                     down=(i // w, h // 8)), (rank, res["shapes"])
         assert res["q_follow"] and res["down_follow"], rank
 
 
@@ -252,7 +260,8 @@ def test_awq_group_across_shards_raises(tp_results):
     for rank, res in enumerate(tp_results):
         msg = res["straddle"]
         assert msg is not None, f"rank {rank}: no error for an AWQ group across two shards"
-        assert "'proj'" in msg and "group size 32" in msg and "48 input features" in msg, msg
+        shard = 96 // res["world"]
+        assert "'proj'" in msg and "group size 32" in msg and f"{shard} input features" in msg, msg
         assert res["straddle_unchanged"], rank
 
 
@@ -266,5 +275,6 @@ def test_sharding_twice_raises(tp_results):
 def test_quantize_model_and_from_pretrained_take_a_mesh(tp_results):
     for rank, res in enumerate(tp_results):
         assert res["mesh_rowwise"] and res["mesh_equal"], rank
-        assert res["ckpt_rowwise"], rank
-        assert res["ckpt_err"] < TOL_SHARDED, (rank, res["ckpt_err"])
+        if res["world"] == 2:
+            assert res["ckpt_rowwise"], rank
+            assert res["ckpt_err"] < TOL_SHARDED, (rank, res["ckpt_err"])
