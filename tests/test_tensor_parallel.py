@@ -151,7 +151,12 @@ def _run(rank: int, out: str, dev: torch.device) -> None:
         # quantize_model(..., mesh=...) shards as tensor_parallel does
         via_mesh = _model(hidden, intermediate, mesh=dist.group.WORLD).to(dev)
         res["mesh_rowwise"] = isinstance(via_mesh.model.layers[0].mlp.down_proj, RowParallelLinear)
-        res["mesh_equal"] = torch.equal(via_mesh(ids, use_cache=False).logits.float().cpu(), res["sharded"])
+        mesh_logits = via_mesh(ids, use_cache=False).logits.float().cpu()
+        # Sharded on the CPU, then moved: its all-reduces stay on NCCL, where the model sharded on the GPU
+        # sums through symmetric memory, in another order from 3 ranks on.
+        same_path = via_mesh.model.layers[0].mlp.down_proj.low_latency == layer.mlp.down_proj.low_latency
+        res["mesh_equal"] = (torch.equal(mesh_logits, res["sharded"]) if same_path or dist.get_world_size() == 2
+                             else _rel(mesh_logits, res["sharded"]) < 1e-2)
     if world == 2:  # the checkpoint's 2 key-value heads split over 2 ranks only
         _run_from_pretrained(rank, out, dev, res)
 
