@@ -113,7 +113,8 @@ def main(argv=None):
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
         lines = [f"# All-reduce inside CUDA graphs, {world} x {meta['device']}, {args.dtype}", "",
                  f"torch {meta['torch']}; µs per all-reduce (median of {args.reps} replays of {args.calls} "
-                 "chained calls, slowest rank); `" + meta["argv"] + "`", "",
+                 "chained calls, slowest rank; each with the small scaling kernel that chains it to the previous "
+                 "one); `" + meta["argv"] + "`", "",
                  "| KB | NCCL | one-shot | two-shot | best |", "|---|---|---|---|---|"]
         for r in rows:
             best = min(("nccl", "one_shot", "two_shot"), key=lambda k: r[k])

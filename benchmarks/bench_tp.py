@@ -340,14 +340,18 @@ def render_md(merged: dict) -> str:
     for run in runs:
         r = run["meta"]
         lines.append(f"- {r['world']} x {r['device']}, {r.get('date', '')}; torch {r['torch']}; copy bandwidth "
-                     f"{(r.get('copy_bw') or nan) / 1e12:.2f} TB/s; `{r['argv']}`")
+                     f"{(r.get('copy_bw') or nan) / 1e12:.2f} TB/s; `{r['argv']}`"
+                     + (f" (figures from {r['source']})" if r.get("source") else ""))
     lines += [f"- decode: context {m['context']}, {m['steps']} timed steps (tight loop, mode `{m['mode']}`), GPU time "
               "from the profiler over the profiled steps; floor = the bytes a rank's step reads (its weights but the "
               "embedding, its KV-cache share) over the copy bandwidth; all-reduce: the all-reduce kernels' GPU time "
-              f"per call; prefill 1 x {m['prompt_len']} (first token included); times of the slowest rank; "
+              "per call (a kernel that waits for the slowest rank counts the wait); "
+              + (f"prefill 1 x {m['prompt_len']} (first token included); " if m["prompt_len"] else "prefill not run; ")
+              + "times of the slowest rank; "
               "`@nccl`: every all-reduce through NCCL", "",
-              "| GPUs | config | batch | tok/s | x fp16 (same GPUs) | x own 1 GPU | ms/step | GPU ms | floor ms | "
-              "floor/GPU | all-reduce µs/call | prefill ms | fused/rank | unfused | logits err | GB/rank | peak GB |",
+              f"| GPUs | config | batch | tok/s | x {m['dense']} (same GPUs) | x own 1 GPU | ms/step | GPU ms | "
+              "floor ms | floor/GPU | all-reduce µs/call | prefill ms | fused/rank | unfused | logits err | GB/rank | "
+              "peak GB |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for run in runs:
         world, dense = run["meta"]["world"], run["meta"]["dense"]
@@ -363,7 +367,7 @@ def render_md(merged: dict) -> str:
                     f"{d['tok_per_s'] / own:.2f} | {d['ms_per_step']:.2f} | {d.get('gpu_ms_per_step', nan):.2f} | "
                     f"{d.get('floor_ms', nan):.2f} | {d.get('floor_over_gpu', nan):.2f} | "
                     f"{d.get('all_reduce_us_per_call', nan):.1f} | {r.get('prefill_ms', nan):.1f} | {d['fused']} | "
-                    f"{len(d['unfused'])} | {d['logits_err']:.2e} | {r['weights_gb_per_rank']:.2f} | "
+                    f"{len(d['unfused'])} | {d['logits_err']:.2e} | {r.get('weights_gb_per_rank', nan):.2f} | "
                     f"{d.get('peak_gb', nan):.2f} |")
     return "\n".join(lines) + "\n"
 
