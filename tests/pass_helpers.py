@@ -219,3 +219,18 @@ def compile_and_run(fn, *args):
         expected = fn(*args)
     torch._dynamo.reset()
     return report, out, expected
+
+
+def dynamo_graph(fn, *args, fullgraph: bool = False):
+    """The one FX graph Dynamo captures from ``fn(*args)`` (under ``no_grad``), before any backend pass."""
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(fn, backend=capture, fullgraph=fullgraph)(*args)
+    (gm,) = graphs
+    return gm

@@ -14,6 +14,7 @@ import socket
 
 import pytest
 import torch
+from pass_helpers import dynamo_graph
 
 from compile_backend import all_reduce
 
@@ -129,23 +130,11 @@ def _nccl_worker(rank: int, world: int, port: int, out: str) -> None:
             want += [z, w]
             if not all(torch.equal(g, w_) for g, w_ in zip(got, want)):
                 res["mismatch"].append(("graph", tokens, step))
-        res["graph_ops"] = sorted(str(n.target) for n in _captured_ops(layer_chain, x))
+        res["graph_ops"] = sorted(str(n.target) for n in dynamo_graph(layer_chain, x, fullgraph=True).graph.nodes
+                                  if n.op == "call_function" and "all_reduce" in str(n.target))
     finally:
         torch.save(res, os.path.join(out, f"{rank}.pt"))
         dist.destroy_process_group()
-
-
-def _captured_ops(fn, x):
-    """The ops of ``fn``'s graph as Dynamo captures it."""
-    graphs = []
-
-    def backend(g, _inputs):
-        graphs.append(g)
-        return g.forward
-
-    torch._dynamo.reset()
-    torch.compile(fn, backend=backend, fullgraph=True)(x)
-    return [n for n in graphs[0].graph.nodes if n.op == "call_function" and "all_reduce" in str(n.target)]
 
 
 @pytest.mark.gpu

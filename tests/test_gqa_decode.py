@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from pass_helpers import dynamo_graph
 from torch._dynamo.utils import counters
 
 pytestmark = pytest.mark.compile
@@ -185,20 +186,6 @@ def test_kernel_refusal_names_what_the_kernels_do_not_take():
     assert ok is None or ok == "Triton is not installed"
 
 
-def _dynamo_graph(module, args):
-    graphs = []
-
-    def capture(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    with torch.no_grad():
-        torch.compile(module, backend=capture)(*args)
-    (gm,) = graphs
-    return gm
-
-
 def _call(gm, args):
     """``gm`` on ``Attention``'s arguments, matched to its placeholders by name (Dynamo orders
     them by first use)."""
@@ -219,14 +206,14 @@ def test_pass_writes_the_op_where_it_runs(monkeypatch, mask_heads, bool_mask):
     module, args = Attention(), inputs(1, mask_heads, bool_mask)
     with torch.no_grad():
         want = module(*args)
-        gm = _dynamo_graph(module, args)
+        gm = dynamo_graph(module, *args)
         assert gqa_pass.pack_gqa_decode(gm, on_cuda_graphs=True) == 1
         assert _op_calls(gm) == 0  # a CPU graph
         torch.testing.assert_close(_call(gm, args), want, rtol=1e-5, atol=1e-6)
         monkeypatch.setattr(gqa_pass, "_takes_op", lambda nodes, on_cuda_graphs: on_cuda_graphs)
-        gm = _dynamo_graph(module, args)
+        gm = dynamo_graph(module, *args)
         assert gqa_pass.pack_gqa_decode(gm, on_cuda_graphs=False) == 1 and _op_calls(gm) == 0
-        gm = _dynamo_graph(module, args)
+        gm = dynamo_graph(module, *args)
         assert gqa_pass.pack_gqa_decode(gm, on_cuda_graphs=True) == 1 and _op_calls(gm) == 1
         assert not any(node.target in gqa_pass.SDPA for node in gm.graph.nodes)
         torch.testing.assert_close(_call(gm, args), want, rtol=1e-5, atol=1e-6)
@@ -234,7 +221,7 @@ def test_pass_writes_the_op_where_it_runs(monkeypatch, mask_heads, bool_mask):
 
 def test_op_not_used_where_a_gradient_is_wanted():
     q, k, v, mask = inputs(1, 1)
-    gm = _dynamo_graph(Attention(), (q, k, v, mask))
+    gm = dynamo_graph(Attention(), q, k, v, mask)
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             node.meta["example_value"] = node.meta["example_value"].requires_grad_()
