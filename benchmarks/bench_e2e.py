@@ -16,6 +16,8 @@ records the quantizer's error).  Configs (``--configs``):
 * ``fp16``, ``bf16``            the dense model under Inductor
 * ``awq-g128``, ``int8``, ...   ``quantize_model(model, scheme)`` (any name in ``SCHEMES``; lm_head stays
                                 dense) on the ``--qdtype`` model, compiled with ``backend="quantfuse"``
+* ``<scheme>+lm_head-<scheme>``  the head quantized too (``quantize_model(..., lm_head=)``), e.g.
+                                ``awq-g128+lm_head-w8a16``
 * ``awq-g128+act-order``        the AWQ model as a GPTQ act-order (``desc_act``) checkpoint of it loads:
                                 each linear's input channels in a random order (``perm``), shared by the
                                 linears that read one activation (``llama_shapes.gptq_act_order``)
@@ -237,16 +239,25 @@ def positions_needed(args) -> int:
 
 
 def parse_config(name: str, args) -> dict:
-    """'fp16' | 'bf16' | '<scheme>' | '<scheme>@inductor' | '<scheme>@quantfuse'; an AWQ scheme with
-    '+act-order' (``awq-g128+act-order``): as a GPTQ desc_act checkpoint of it loads."""
+    """'fp16' | 'bf16' | '<scheme>' | '<scheme>@inductor' | '<scheme>@quantfuse', a scheme optionally with
+    '+act-order' (an AWQ scheme as a GPTQ desc_act checkpoint of it loads) and '+lm_head-<scheme>' (the
+    head quantized too: ``quantize_model(..., lm_head=)``), e.g. ``awq-g128+lm_head-w8a16``."""
     from compile_backend.quantize import SCHEMES
 
     base, _, backend = name.partition("@")
-    base, plus, variant = base.partition("+")
-    act_order = bool(plus)
-    if act_order and (variant != "act-order" or not base.startswith("awq")):
-        raise ValueError(f"config {name!r}: expected '<awq scheme>+act-order'")
+    base, *variants = base.split("+")
+    act_order, lm_head = False, None
+    for v in variants:
+        if v == "act-order" and base.startswith("awq"):
+            act_order = True
+        elif v.startswith("lm_head-") and v.removeprefix("lm_head-") in SCHEMES:
+            lm_head = v.removeprefix("lm_head-")
+        else:
+            raise ValueError(f"config {name!r}: variant {v!r}; expected 'act-order' (AWQ schemes) or "
+                             f"'lm_head-<scheme>' with a scheme of {sorted(SCHEMES)}")
     if base in DENSE:
+        if variants:
+            raise ValueError(f"config {name!r}: a dense config takes no variants")
         return dict(name=name, dtype=DENSE[base], scheme=None, backend=backend or "inductor")
     if base not in SCHEMES:
         raise ValueError(f"unknown config {name!r}: expected fp16, bf16 or a scheme of {sorted(SCHEMES)}"
@@ -254,7 +265,8 @@ def parse_config(name: str, args) -> dict:
     backend = backend or "quantfuse"
     if backend not in ("inductor", "quantfuse"):
         raise ValueError(f"config {name!r}: backend {backend!r}; expected inductor or quantfuse")
-    return dict(name=name, dtype=DTYPES[args.qdtype], scheme=base, backend=backend, act_order=act_order)
+    return dict(name=name, dtype=DTYPES[args.qdtype], scheme=base, backend=backend, act_order=act_order,
+                lm_head=lm_head)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -875,7 +887,12 @@ def run_config(name: str, args, results: dict, state: dict):
             from compile_backend.quantize import quantize_model
 
             with torch.no_grad():
-                _, res["quantize_s"] = timer(lambda: quantize_model(model, cfg["scheme"]))
+                _, res["quantize_s"] = timer(lambda: quantize_model(model, cfg["scheme"], lm_head=cfg.get("lm_head")))
+        elif cfg.get("lm_head"):  # layer by layer: the decoder layers are quantized, the head is left
+            from compile_backend.quantize import quantize_model
+
+            with torch.no_grad():
+                quantize_model(model, cfg["scheme"], lm_head=cfg["lm_head"])
         if cfg.get("act_order"):
             from llama_shapes import gptq_act_order
 

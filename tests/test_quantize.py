@@ -217,6 +217,32 @@ def test_quantize_model_swaps_linears_and_skips_lm_head():
         quantize_model(tiny_llama(), "int3")
 
 
+def test_quantize_model_lm_head_opt_in():
+    """``lm_head=``: the head quantized with its own scheme (the body's is another), never searched; a head
+    tied to the embedding gets its own copy; a bad or absent head raises, leaving the model unchanged."""
+    from compile_backend.models.llama import tiny_llama
+
+    model = quantize_model(tiny_llama(), "int8", lm_head="w8a16")
+    assert isinstance(model.lm_head, W8A16Linear)
+    assert {type(m) for n, m in model.named_modules() if n.endswith("_proj")} == {W8A8Linear}
+    tied = tiny_llama()
+    tied.lm_head.weight = tied.embed.weight
+    embed = tied.embed.weight
+    quantize_model(tied, "w8a16", lm_head="int8")
+    assert isinstance(tied.lm_head, W8A8Linear) and tied.embed.weight is embed
+    # the head's scheme may also be the body's: the head is quantized as it would be alone
+    same = quantize_model(tiny_llama(), "w8a16", lm_head="w8a16")
+    alone = W8A16Linear.from_linear(tiny_llama().lm_head)
+    assert isinstance(same.lm_head, W8A16Linear) and torch.equal(same.lm_head.weight, alone.weight)
+    fresh = tiny_llama()
+    head = fresh.lm_head
+    with pytest.raises(ValueError, match="lm_head 'int3'"):
+        quantize_model(fresh, "int8", lm_head="int3")
+    with pytest.raises(ValueError, match="no nn.Linear named 'lm_head'"):
+        quantize_model(nn.Sequential(nn.Linear(16, 16)), "int8", lm_head="w8a16")
+    assert fresh.lm_head is head and all(type(m) is not W8A8Linear for m in fresh.modules())
+
+
 @pytest.mark.compile
 def test_awq_in_a_float32_model_runs_eager_and_compiled():
     """AWQ layers of a float32 model take and give float32 (computing in float16 between the

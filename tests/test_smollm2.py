@@ -137,6 +137,18 @@ def test_int8_within_5_percent(model_and_tokenizer, texts, float_perplexity):
 
 
 @needs_model
+def test_int8_weight_only_lm_head_costs_under_1_percent(model_and_tokenizer, texts):
+    """The opt-in quantized head (``quantize_model(..., lm_head=)``): int8 weight-only moves the int8
+    model's perplexity by under 1% (measured +0.4%); int8 with int8 activations (the logits' input
+    quantized per token too) by under 5% (+1.7%)."""
+    model, _ = model_and_tokenizer
+    body = perplexity(quantize_model(copy.deepcopy(model), "int8"), texts[0])
+    w8a16 = perplexity(quantize_model(copy.deepcopy(model), "int8", lm_head="w8a16"), texts[0])
+    int8 = perplexity(quantize_model(copy.deepcopy(model), "int8", lm_head="int8"), texts[0])
+    assert w8a16 <= 1.01 * body and int8 <= 1.05 * body, (body, w8a16, int8)
+
+
+@needs_model
 @pytest.mark.compile
 def test_compiled_gives_eager_logits(model_and_tokenizer, texts):
     """int8, the first 2 layers (a CPU compiles them in seconds; all 30 take minutes)."""

@@ -119,9 +119,17 @@ def _quantize_linear(linear: nn.Linear, scheme: Scheme, dtype, search: AWQSearch
         per_token=scheme.per_token, symmetric=scheme.symmetric, out_dtype=out_dtype)
 
 
+def _scheme(value, what: str) -> Scheme:
+    if isinstance(value, Scheme):
+        return value
+    if value not in SCHEMES:
+        raise ValueError(f"quantize_model: {what} {value!r}; expected one of {sorted(SCHEMES)}")
+    return SCHEMES[value]
+
+
 def quantize_model(model: nn.Module, scheme, *, dtype: torch.dtype = None, skip=("lm_head",), mesh=None,
                    tp_plan: dict | None = None, calibration=None, tokenizer=None, progress: bool = True,
-                   awq_options: dict | None = None) -> nn.Module:
+                   awq_options: dict | None = None, lm_head=None) -> nn.Module:
     """Replace every ``nn.Linear`` (except names in ``skip``) with its quantized form, in place.
 
     ``scheme`` is a ``Scheme`` or one of ``SCHEMES``' names (``"w8a16"``: int8 weight-only with
@@ -147,6 +155,12 @@ def quantize_model(model: nn.Module, scheme, *, dtype: torch.dtype = None, skip=
     ...).  The search only rescales weights (the float model's function is kept) before the
     replacement; calibration with a W8A8 scheme raises ``ValueError``.
 
+    ``lm_head``: a scheme (name or ``Scheme``) for the output projection (the linear named ``lm_head``),
+    which ``skip`` leaves dense by default; opt-in, since it quantizes the logits themselves (its
+    perplexity cost on a trained model is in the README).  Round-to-nearest, whatever ``calibration``
+    says.  A head tied to the input embedding gets its own quantized copy; the embedding keeps the
+    float table.
+
     ``mesh``: a 1-D ``DeviceMesh`` or a process group; the quantized model is then sharded over
     it with ``compile_backend.tensor_parallel.tensor_parallel(model, mesh, tp_plan)``
     (``tp_plan`` default: its ``LLAMA_PLAN``).  Every rank calls this on the same model.
@@ -158,36 +172,45 @@ def quantize_model(model: nn.Module, scheme, *, dtype: torch.dtype = None, skip=
     again when the model is compiled; ``share_input_storage(model)`` after the move merges them
     again.
     """
-    if isinstance(scheme, str):
-        if scheme not in SCHEMES:
-            raise ValueError(f"quantize_model: scheme {scheme!r}; expected one of {sorted(SCHEMES)}")
-        scheme = SCHEMES[scheme]
+    scheme = _scheme(scheme, "scheme")
     if calibration is not None and scheme.kind != "awq":
         raise ValueError(f"quantize_model: calibration data is for AWQ schemes (the activation-aware search); "
                          f"scheme {scheme} quantizes without it")
-    plan = list(_replaceable_linears(model, skip))
+    plan = [(*entry, scheme) for entry in _replaceable_linears(model, skip)]
+    head_ids: set[int] = set()  # the head's linear: its own scheme, never searched
+    if lm_head is not None:
+        head_scheme = _scheme(lm_head, "lm_head")
+        heads = [(*entry, head_scheme) for entry in _replaceable_linears(model, set(skip) - {"lm_head"})
+                 if entry[1] == "lm_head"]
+        if not heads:
+            raise ValueError("quantize_model: lm_head given, but the model has no nn.Linear named 'lm_head' "
+                             "left to quantize")
+        plan = [entry for entry in plan if entry[1] != "lm_head"] + heads
+        head_ids = {id(entry[2]) for entry in heads}
     made: dict[int, nn.Module] = {}
     search = None
     for check in (_check_linear, "search", None):
         if check == "search":
+            body = [(qualified, linear) for _, _, linear, qualified, _ in plan if id(linear) not in head_ids]
             if calibration is not None:
-                linears = list({id(linear): (qualified, linear) for _, _, linear, qualified in plan}.values())
+                linears = list({id(linear): (qualified, linear) for qualified, linear in body}.values())
                 search = awq_search(model, calibration, linears, scheme.group_size,
                                     dtype=_awq_dtype(linears[0][1], dtype) if linears else torch.float16,
                                     tokenizer=tokenizer, progress=progress, **(awq_options or {}))
             continue
-        for _, _, linear, qualified in plan:
+        for _, _, linear, qualified, layer_scheme in plan:
             if check is None and id(linear) in made:
                 continue
             try:
                 if check is not None:
-                    check(linear, scheme)
+                    check(linear, layer_scheme)
                 else:
-                    made[id(linear)] = _quantize_linear(linear, scheme, dtype, search)
+                    searched = None if id(linear) in head_ids else search
+                    made[id(linear)] = _quantize_linear(linear, layer_scheme, dtype, searched)
             except ValueError as exc:
                 raise ValueError(f"quantize_model: layer {qualified!r} ({linear}): {exc}; "
                                  "the model was left unchanged") from exc
-    for parent, name, linear, _ in plan:
+    for parent, name, linear, _, _ in plan:
         setattr(parent, name, made[id(linear)])
     if mesh is not None:
         from ..tensor_parallel import tensor_parallel
