@@ -14,14 +14,14 @@ per group and device and registers it with the peers (a collective: every rank c
   ``ONE_SHOT_MAX_BYTES``;
 * two-shot: a copy into the buffer, ``symm_mem.two_shot_all_reduce_out``, up to the buffer's size;
 * larger inputs, float16 (torch's kernels take bfloat16 and float32 only), CPU tensors, groups without a
-  buffer: NCCL (``all_reduce`` in
-  ``RowParallelLinear``, the functional collective ``torch.compile`` traces).
+  buffer: NCCL (``all_reduce`` in ``RowParallelLinear``, the functional collective ``torch.compile``
+  traces).
 
 The kernels synchronise the ranks on entry and on exit (signal pads), so one buffer serves every call in
 turn.  The sum is computed in the same order on every rank, so all ranks hold the same result; it can
 differ from NCCL's in the last bit of a half-precision sum over more than two ranks (another order).
-The thresholds are the measured crossovers on H200s (benchmarks/bench_all_reduce.py); ``QUANTFUSE_
-ALL_REDUCE=nccl`` keeps every all-reduce on NCCL.
+The thresholds are the measured crossovers on H200s (benchmarks/bench_all_reduce.py);
+``QUANTFUSE_ALL_REDUCE=nccl`` keeps every all-reduce on NCCL.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ ENV = "QUANTFUSE_ALL_REDUCE"  # "nccl": no symmetric-memory all-reduce
 
 # (group name, device index) -> the registered buffer (uint8, BUFFER_BYTES)
 _BUFFERS: dict[tuple[str, int], torch.Tensor] = {}
+_WARNED: set[tuple] = set()  # what the op's NCCL fallback has logged (once each)
 
 
 def enabled_by_env() -> bool:
@@ -100,8 +101,11 @@ def symm_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
     module doc); ``x`` as ``fits`` says, on a group ``enable`` registered."""
     buf = _buffer(group_name, x.device)
     if buf is None or not fits(x):  # e.g. a module moved to another device after it was sharded
-        log.warning("quantfuse.symm_all_reduce: NCCL runs: no symmetric buffer of group %s takes a %s %s "
-                    "tensor of shape %s", group_name, x.device, x.dtype, tuple(x.shape))
+        key = (group_name, str(x.device), x.dtype, tuple(x.shape))
+        if key not in _WARNED:
+            _WARNED.add(key)
+            log.warning("quantfuse.symm_all_reduce: NCCL runs: no symmetric buffer of group %s takes a %s %s "
+                        "tensor of shape %s", *key)
         out = x.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(out, group=dist.distributed_c10d._resolve_process_group(group_name))
         return out
