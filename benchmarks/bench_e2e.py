@@ -84,7 +84,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from llama_shapes import MODELS  # noqa: E402
+from llama_shapes import MODELS, step_bytes  # noqa: E402
 
 DEFAULT_CONFIGS = "fp16,bf16,awq-g128,int8,int8-asym,fp8-rowwise"
 SMOLLM2 = "smollm2"
@@ -493,22 +493,6 @@ def copy_bandwidth(device: str) -> float | None:
     del src, dst
     torch.cuda.empty_cache()
     return 2 * (1 << 30) / median(times[2:])
-
-
-def step_bytes(model, batch: int, positions: float) -> int:
-    """Bytes one decode step must read: every parameter and buffer but the embedding table, the
-    embedding rows of its tokens, and the KV cache up to ``positions``.  With the embedding tied to the
-    head (SmolLM2), the head reads the whole table: it counts, as the head."""
-    embed = model.get_input_embeddings().weight
-    head = model.get_output_embeddings()
-    tied = head is not None and getattr(head, "weight", None) is embed
-    total = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]
-                if tied or t is not embed)
-    total += batch * embed.shape[1] * embed.element_size()
-    c = model.config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    kv = c.num_hidden_layers * 2 * batch * c.num_key_value_heads * head_dim * positions * embed.element_size()
-    return int(total + kv)
 
 
 def model_gb(model) -> float:

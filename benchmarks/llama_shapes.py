@@ -49,9 +49,13 @@ def build_layerwise(cfg, device, per_layer=None, seed: int = 0, log=None):
 def step_bytes(model, batch: int, positions: float, kv_heads: int | None = None) -> int:
     """Bytes one decode step must read: every parameter and buffer but the embedding table, the
     embedding rows of its tokens, and the KV cache up to ``positions`` (``kv_heads``: the heads this
-    process holds, default the config's; a tensor-parallel rank holds its share)."""
+    process holds, default the config's; a tensor-parallel rank holds its share).  With the embedding
+    tied to the head (SmolLM2), the head reads the whole table: it counts, as the head."""
     embed = model.get_input_embeddings().weight
-    total = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()] if t is not embed)
+    head = model.get_output_embeddings()
+    tied = head is not None and getattr(head, "weight", None) is embed
+    total = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]
+                if tied or t is not embed)
     total += batch * embed.shape[1] * embed.element_size()
     c = model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
