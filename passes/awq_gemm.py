@@ -479,3 +479,63 @@ def register(passes: dict) -> None:
             register_checked(pattern, target, FAMILY, None, _plan)
         for pattern, view in bias_add_patterns(_awq_call(with_none) for with_none in (False, True)):
             register_graph_pattern(pattern, extra_check=_bias_check, pass_dict=target)(_make_bias_handler(view))
+
+
+# --------------------------------------------------------------------------- act-order gathers
+
+_GATHER_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+def _last_dim_gather(node) -> tuple[Node, Node] | None:
+    """(source, indices) where ``node`` gathers its source's last dimension by a 1-D int tensor
+    (``x.index_select(-1, perm)``, traced as ``aten.index.Tensor(x, [None, ..., perm])`` or
+    ``aten.index_select``), else None."""
+    if not isinstance(node, Node) or node.op != "call_function":
+        return None
+    if node.target is aten.index.Tensor:
+        src, indices = node.args[0], node.args[1]
+        sv = tensor_val(src)
+        if sv is None or len(indices) != sv.dim() or any(i is not None for i in indices[:-1]):
+            return None
+        perm = indices[-1]
+    elif node.target is aten.index_select.default:
+        src, dim, perm = node.args
+        sv = tensor_val(src)
+        if sv is None or dim not in (-1, sv.dim() - 1):
+            return None
+    else:
+        return None
+    pv = tensor_val(perm)
+    if pv is None or pv.dim() != 1 or pv.dtype not in (torch.int32, torch.int64) or pv.shape[0] != sv.shape[-1]:
+        return None
+    return src, perm
+
+
+def fold_activation_gathers(graph: torch.fx.Graph) -> int:
+    """Each ``quantfuse.awq_gemm`` whose activation is a gather of its input's last dimension (an act-order
+    layer's ``x.index_select(-1, perm)``, directly or under the view that flattens it to ``[M, K]``) reads
+    the input itself with ``perm``: the kernels load the activation through the permutation, so no
+    gather runs before them.  The gather stays where something else reads it.  Returns the ops folded."""
+    folded = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.quantfuse.awq_gemm.default or node.kwargs:
+            continue
+        args = list(node.args) + [None] * (7 - len(node.args))
+        if args[6] is not None:
+            continue
+        x = args[0]
+        view = x if isinstance(x, Node) and x.target in _GATHER_VIEWS else None
+        gather = _last_dim_gather(view.args[0] if view is not None else x)
+        if gather is None:
+            continue
+        src, perm = gather
+        if view is not None:
+            with graph.inserting_before(node):
+                flat = graph.call_function(view.target, (src, *view.args[1:]), dict(view.kwargs))
+            flat.meta = dict(view.meta)  # same shape, dtype and strides: only the order of K differs
+            src = flat
+        node.args = (src, *args[1:6], perm)
+        folded += 1
+    if folded:
+        graph.eliminate_dead_code()
+    return folded

@@ -94,7 +94,7 @@ MERGEABLE: dict = {
     **_family("scaled_mm_azp", ("a", "shared"), ("b", "rows_t"), ("scale_a", "shared"), ("scale_b", "vector"),
               ("out_dtype", "same"), ("azp_adj", "colsum"), ("azp", "shared"), ("bias", "vector")),
     **_family("awq_gemm", ("x", "shared"), ("qweight", "cols"), ("scales", "cols"), ("qzeros", "cols"),
-              ("group_size", "same"), ("bias", "vector")),
+              ("group_size", "same"), ("bias", "vector"), ("perm", "shared")),
     **_family("w8a16_gemm", ("x", "shared"), ("w_q", "rows"), ("w_scale", "vector"), ("bias", "vector")),
 }
 

@@ -33,7 +33,8 @@ AWQ_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 AWQ_SHIFTS = tuple(4 * o for o in AWQ_ORDER)
 AWQ_STRIP_N = 64  # columns of N per strip of the fragment layout
 
-SCHEMA = "awq_gemm(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, int group_size, Tensor? bias=None) -> Tensor"
+SCHEMA = ("awq_gemm(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, int group_size, Tensor? bias=None, "
+          "Tensor? perm=None) -> Tensor")
 DEQUANTIZE_SCHEMA = "awq_dequantize(Tensor qweight, Tensor scales, Tensor qzeros, int group_size) -> Tensor"
 
 
@@ -48,9 +49,9 @@ def awq_shape(qweight: torch.Tensor) -> tuple[int, int] | None:
     return None
 
 
-def check_awq(op, qweight, scales, qzeros, group_size, x=None, bias=None):
+def check_awq(op, qweight, scales, qzeros, group_size, x=None, bias=None, perm=None):
     first = "qweight" if x is None else "x"
-    check_devices(op, first, dict(x=x, qweight=qweight, scales=scales, qzeros=qzeros, bias=bias))
+    check_devices(op, first, dict(x=x, qweight=qweight, scales=scales, qzeros=qzeros, bias=bias, perm=perm))
     shape = awq_shape(qweight)
     if shape is None:
         fail(op, "qweight", qweight, "int32 [K, N/8] (AWQ layout) or [N/64, K/16, 32, 4] (fragment layout)")
@@ -74,6 +75,8 @@ def check_awq(op, qweight, scales, qzeros, group_size, x=None, bias=None):
             fail(op, "x", x, f"a 2-D tensor [M, K] with K = {K} from 'qweight'")
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != N or bias.dtype != scales.dtype):
         fail(op, "bias", bias, f"a 1-D {scales.dtype} tensor of N = {N} elements")
+    if perm is not None and (perm.dim() != 1 or perm.shape[0] != K or perm.dtype not in (torch.int32, torch.int64)):
+        fail(op, "perm", perm, f"a 1-D int32 or int64 permutation of range(K), K = {K} from 'qweight'")
     return K, N
 
 
@@ -202,10 +205,12 @@ def awq_dequantize_reference(qweight, scales, qzeros, group_size):
     return _awq_weight(qweight, scales, qzeros, group_size)
 
 
-def awq_gemm_reference(x, qweight, scales, qzeros, group_size, bias=None):
-    _, N = check_awq("awq_gemm", qweight, scales, qzeros, group_size, x, bias)
+def awq_gemm_reference(x, qweight, scales, qzeros, group_size, bias=None, perm=None):
+    _, N = check_awq("awq_gemm", qweight, scales, qzeros, group_size, x, bias, perm)
     if x.shape[0] == 0:
         return x.new_empty((0, N))
+    if perm is not None:  # act-order: row j of the weight is input channel perm[j]
+        x = x.index_select(1, perm)
     w = _awq_weight(qweight, scales, qzeros, group_size)
     out = torch.matmul(x.to(torch.float32), w.to(torch.float32))
     if bias is not None:
@@ -213,8 +218,8 @@ def awq_gemm_reference(x, qweight, scales, qzeros, group_size, bias=None):
     return out.to(x.dtype)
 
 
-def _awq_gemm_fake(x, qweight, scales, qzeros, group_size, bias=None):
-    _, N = check_awq("awq_gemm", qweight, scales, qzeros, group_size, x, bias)
+def _awq_gemm_fake(x, qweight, scales, qzeros, group_size, bias=None, perm=None):
+    _, N = check_awq("awq_gemm", qweight, scales, qzeros, group_size, x, bias, perm)
     return x.new_empty((x.shape[0], N))
 
 
@@ -240,22 +245,26 @@ def _scales_grad(grad_w: torch.Tensor, qweight, scales, qzeros, group_size) -> t
 
 
 def _gemm_setup(ctx, inputs, output):
-    x, qweight, scales, qzeros, group_size, bias = inputs
-    ctx.save_for_backward(x, qweight, scales, qzeros)
+    x, qweight, scales, qzeros, group_size, *rest = inputs
+    bias, perm = (*rest, None, None)[:2]
+    ctx.save_for_backward(x, qweight, scales, qzeros, perm)
     ctx.group_size = group_size
     ctx.bias_dtype = None if bias is None else bias.dtype
 
 
 def _gemm_backward(ctx, grad):
-    x, qweight, scales, qzeros = ctx.saved_tensors
+    x, qweight, scales, qzeros, perm = ctx.saved_tensors
     g = grad.to(F32)
     d_x = d_scales = None
     if gradients.needs(ctx, 0):
         w = torch.ops.quantfuse.awq_dequantize(qweight, scales, qzeros, ctx.group_size)
-        d_x = (g @ w.to(F32).t()).to(x.dtype)
+        d_x = (g @ w.to(F32).t()).to(x.dtype)  # by the weight's rows: input channel perm[j] at j
+        if perm is not None:
+            d_x = d_x.new_empty(d_x.shape).index_copy_(1, perm.long(), d_x)
     if gradients.needs(ctx, 2):
-        d_scales = _scales_grad(x.to(F32).t() @ g, qweight, scales, qzeros, ctx.group_size)
-    return d_x, None, d_scales, None, None, gradients.bias_grad(ctx, grad, 5, ctx.bias_dtype)
+        xs = x if perm is None else x.index_select(1, perm)
+        d_scales = _scales_grad(xs.to(F32).t() @ g, qweight, scales, qzeros, ctx.group_size)
+    return d_x, None, d_scales, None, None, gradients.bias_grad(ctx, grad, 5, ctx.bias_dtype), None
 
 
 def _dequantize_setup(ctx, inputs, output):
