@@ -88,7 +88,9 @@ __host__ __device__ constexpr int batch_for(int nt, int w) { return nt > 1 && w 
 // (28672 x 4096 at 9 <= M <= 32).
 __host__ __device__ constexpr bool fold_path(int nt, int w) { return nt == 1 || (nt == 2 && w == 8); }
 
-template <typename T, int NT, int W, bool CLUSTER>
+// PERM: act-order, the activations read through perm (an instantiation of its own, so that the
+// kernels without it are the same code as before).
+template <typename T, int NT, int W, bool CLUSTER, bool PERM = false>
 __global__ void __launch_bounds__(W * 32, min_warps_per_sm(NT, W) / W) awq_gemm_kernel(
     const T* __restrict__ x, const int* __restrict__ perm, const uint4* __restrict__ wp, const T* __restrict__ scales,
     const uint32_t* __restrict__ qzeros, const T* __restrict__ bias, T* __restrict__ out,
@@ -141,11 +143,14 @@ __global__ void __launch_bounds__(W * 32, min_warps_per_sm(NT, W) / W) awq_gemm_
   // L1) instead of one 8-byte load.
   auto load_x = [&](int k, int nt) {
     if (xrow[nt] == nullptr) return make_uint2(0u, 0u);
-    if (perm == nullptr) return __ldg(reinterpret_cast<const uint2*>(xrow[nt] + (k << 4)));
-    const int4 c = __ldg(reinterpret_cast<const int4*>(perm + (k << 4) + 4 * (lane & 3)));
-    const uint16_t* row = reinterpret_cast<const uint16_t*>(xrow[nt] - 4 * (lane & 3));
-    return make_uint2(uint32_t(__ldg(row + c.x)) | (uint32_t(__ldg(row + c.y)) << 16),
-                      uint32_t(__ldg(row + c.z)) | (uint32_t(__ldg(row + c.w)) << 16));
+    if constexpr (PERM) {
+      const int4 c = __ldg(reinterpret_cast<const int4*>(perm + (k << 4) + 4 * (lane & 3)));
+      const uint16_t* row = reinterpret_cast<const uint16_t*>(xrow[nt] - 4 * (lane & 3));
+      return make_uint2(uint32_t(__ldg(row + c.x)) | (uint32_t(__ldg(row + c.y)) << 16),
+                        uint32_t(__ldg(row + c.z)) | (uint32_t(__ldg(row + c.w)) << 16));
+    } else {
+      return __ldg(reinterpret_cast<const uint2*>(xrow[nt] + (k << 4)));
+    }
   };
   auto load_batch = [&](Batch& bt, int k0) {
 #pragma unroll
@@ -417,10 +422,10 @@ cudaError_t reduce_splits(cudaError_t launched, const float* partial, const T* b
   return cudaGetLastError();
 }
 
-template <typename T, int NT, int W>
-cudaError_t run_gemm(const void* x, const int* perm, const uint32_t* wp, const void* scales, const uint32_t* qzeros,
-                     const void* bias, void* out, float* partial, int M, int N, int K, int group_size, int splits,
-                     bool cluster, cudaStream_t stream) {
+template <typename T, int NT, int W, bool PERM>
+cudaError_t run_gemm_as(const void* x, const int* perm, const uint32_t* wp, const void* scales,
+                        const uint32_t* qzeros, const void* bias, void* out, float* partial, int M, int N, int K,
+                        int group_size, int splits, bool cluster, cudaStream_t stream) {
   const dim3 grid(splits, N / kStripN, (M + 8 * NT - 1) / (8 * NT));
   const T* xp = static_cast<const T*>(x);
   const uint4* wq = reinterpret_cast<const uint4*>(wp);
@@ -429,12 +434,24 @@ cudaError_t run_gemm(const void* x, const int* perm, const uint32_t* wp, const v
   T* op = static_cast<T*>(out);
   if (splits > 1 && cluster) {
     const ClusterLaunch launch(grid, dim3(W * 32), 0, stream, splits);
-    return cudaLaunchKernelEx(&launch.cfg, awq_gemm_kernel<T, NT, W, true>, xp, perm, wq, sp, qzeros, bp, op,
+    return cudaLaunchKernelEx(&launch.cfg, awq_gemm_kernel<T, NT, W, true, PERM>, xp, perm, wq, sp, qzeros, bp, op,
                               static_cast<float*>(nullptr), M, N, K, group_size);
   }
-  awq_gemm_kernel<T, NT, W, false><<<grid, W * 32, 0, stream>>>(xp, perm, wq, sp, qzeros, bp, op,
-                                                                 splits > 1 ? partial : nullptr, M, N, K, group_size);
+  awq_gemm_kernel<T, NT, W, false, PERM><<<grid, W * 32, 0, stream>>>(xp, perm, wq, sp, qzeros, bp, op,
+                                                                       splits > 1 ? partial : nullptr, M, N, K,
+                                                                       group_size);
   return reduce_splits<T>(cudaGetLastError(), partial, bp, op, M, N, splits, stream);
+}
+
+template <typename T, int NT, int W>
+cudaError_t run_gemm(const void* x, const int* perm, const uint32_t* wp, const void* scales, const uint32_t* qzeros,
+                     const void* bias, void* out, float* partial, int M, int N, int K, int group_size, int splits,
+                     bool cluster, cudaStream_t stream) {
+  return perm != nullptr
+             ? run_gemm_as<T, NT, W, true>(x, perm, wp, scales, qzeros, bias, out, partial, M, N, K, group_size,
+                                           splits, cluster, stream)
+             : run_gemm_as<T, NT, W, false>(x, perm, wp, scales, qzeros, bias, out, partial, M, N, K, group_size,
+                                            splits, cluster, stream);
 }
 
 template <typename T, int W>
