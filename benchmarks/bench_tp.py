@@ -183,10 +183,6 @@ def profile_decode(run, steps: int) -> dict:
 
 
 def run_config(name: str, args, dev: torch.device, group) -> dict:
-    from torch._dynamo.utils import counters
-    from transformers import StaticCache
-
-    from compile_backend.passes import collecting_report
     from compile_backend.quantize import quantize_model
     from compile_backend.tensor_parallel import tensor_parallel
 
@@ -225,8 +221,7 @@ def run_config(name: str, args, dev: torch.device, group) -> dict:
         if dev.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(dev)
-        d = r["decode"][f"b{B}"] = decode(model, B, args, dev, gen, ck, timer, backend, counters, collecting_report,
-                                          StaticCache)
+        d = r["decode"][f"b{B}"] = decode(model, B, args, dev, gen, ck, timer, backend)
         log(f"{name} batch {B}: {d['tok_per_s']:.1f} tok/s ({d['ms_per_step']:.2f} ms/step"
             + (f", GPU {d['gpu_ms_per_step']:.2f}, floor {d['floor_ms']:.2f}, all-reduce "
                f"{d['all_reduce_us_per_call']:.1f} us/call" if "gpu_ms_per_step" in d else "")
@@ -234,7 +229,7 @@ def run_config(name: str, args, dev: torch.device, group) -> dict:
             f"peak {d.get('peak_gb', float('nan')):.2f} GB"
             + (f"; CUDA graphs skipped {d['cudagraph_skips']}x" if d["cudagraph_skips"] else ""))
     if args.prompt_len:
-        r["prefill_ms"] = prefill(model, args, dev, gen, ck, timer, backend, StaticCache)
+        r["prefill_ms"] = prefill(model, args, dev, gen, ck, timer, backend)
         log(f"{name}: prefill 1 x {args.prompt_len}: {r['prefill_ms']:.2f} ms")
     model = None
     if dev.type == "cuda":
@@ -242,8 +237,13 @@ def run_config(name: str, args, dev: torch.device, group) -> dict:
     return r
 
 
-def decode(model, B, args, dev, gen, ck, timer, backend, counters, collecting_report, StaticCache) -> dict:
+def decode(model, B, args, dev, gen, ck, timer, backend) -> dict:
     """Decode at batch ``B`` over a static cache: tok/s, GPU time and its floor, fused counts, logits error."""
+    from torch._dynamo.utils import counters
+    from transformers import StaticCache
+
+    from compile_backend.passes import collecting_report
+
     r = {"batch": B}
     cache = StaticCache(config=model.config, max_cache_len=args.context + args.warmup + args.steps
                         + args.prof_steps + 8)
@@ -297,8 +297,10 @@ def decode(model, B, args, dev, gen, ck, timer, backend, counters, collecting_re
     return r
 
 
-def prefill(model, args, dev, gen, ck, timer, backend, StaticCache) -> float:
+def prefill(model, args, dev, gen, ck, timer, backend) -> float:
     """Time to first token of a 1 x ``args.prompt_len`` prompt, compiled (mode default), median ms."""
+    from transformers import StaticCache
+
     cache = StaticCache(config=model.config, max_cache_len=args.prompt_len + 8)
     ids = torch.randint(0, args.vocab, (1, args.prompt_len), generator=gen).to(dev)
     positions = torch.arange(args.prompt_len, device=dev).unsqueeze(0)
