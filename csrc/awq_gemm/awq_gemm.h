@@ -45,12 +45,10 @@ bool gemm_folds(int M, int N, int device, int warps = 0);
 // reduce on chip).
 bool gemm_needs_workspace(int splits, int device, bool allow_cluster = true);
 
-// out[M, N] = x[M, K] @ W + bias, W dequantized in registers from the repacked layout; with perm
-// (int32 [K], 16-byte aligned; null for none) row j of W multiplies input channel perm[j] of x
-// (act-order), read through the permutation as the activations are loaded.
+// out[M, N] = x[M, K] @ W + bias, W dequantized in registers from the repacked layout.
 // partial: fp32 workspace of splits*M*N floats when gemm_needs_workspace (else may be null).
 // N % 64 == 0, K % 16 == 0, group_size % 16 == 0, K % group_size == 0; x rows 8-byte aligned.
-cudaError_t launch_gemm(DType dtype, const void* x, const int* perm, const uint32_t* wpacked, const void* scales,
+cudaError_t launch_gemm(DType dtype, const void* x, const uint32_t* wpacked, const void* scales,
                         const uint32_t* qzeros, const void* bias, void* out, float* partial,
                         int M, int N, int K, int group_size, int splits, int warps, int device,
                         bool allow_cluster, cudaStream_t stream);

@@ -16,8 +16,9 @@
 // dropped: the module's tensor is the only copy of the weight.  A qweight in the AWQ layout ([K, N/8], other libraries' modules) gets
 // both layouts made once and kept beside it (common/derived_cache.h; explain() reports them).
 //
-// Act-order (perm, int32 [K]): the streaming kernel reads x through the order; the other paths take x
-// gathered first.
+// Act-order (perm, int32 [K]): every path takes x gathered by the order first (one M x K gather inside
+// the op).  A streaming kernel that read x through the order (four 2-byte loads for each 8-byte one)
+// measured slower than the gather at batch 1 and 8 on an H200.
 //
 // Inputs no kernel takes (N % 64, K or group size not multiples of 16, CPU or mixed devices,
 // pre-sm_80 GPUs, sizes beyond 32-bit indexing) and malformed inputs run the reference, which
@@ -111,22 +112,19 @@ at::Tensor awq_gemm_dispatch(const at::Tensor& x_in, const at::Tensor& qweight, 
   const int64_t M = x_in.size(0), K = x_in.size(1), N = scales_in.size(1);
   if (M == 0) return at::empty({0, N}, x_in.options());
   const std::optional<at::Tensor> bias = bias_in.has_value() ? std::optional<at::Tensor>(dense(*bias_in)) : std::nullopt;
-  // Act-order: the streaming kernel reads x through perm; the prefill kernels take x gathered first
-  // (one pass over M x K, small against their M x N x K).
-  const std::optional<at::Tensor> perm = perm_in.has_value() ? std::optional<at::Tensor>(dense(*perm_in)) : std::nullopt;
-  auto gathered = [&]() { return perm.has_value() ? x_in.index_select(1, *perm) : x_in; };
+  // Act-order: x gathered by the order (one pass over M x K, small against the weight's K x N).
+  const at::Tensor xg = perm_in.has_value() ? x_in.index_select(1, *perm_in) : x_in;
   if (fragments) {
     const at::Tensor w = dense(qweight);
     if (M > kDecodeMaxM && sm90_prefill_takes(x_in, K, N, group_size)) {
       const at::Tensor scales = dense(scales_in);
       auto [wq, zeros] = awq_prepare_sm90_from_fragments_cuda(w, scales, qzeros_in.contiguous(), group_size);
-      return awq_gemm_sm90_cuda(dense(gathered()), wq, scales, zeros, group_size, bias, -1, -1);
+      return awq_gemm_sm90_cuda(dense(xg), wq, scales, zeros, group_size, bias, -1, -1);
     }
-    const at::Tensor x = dense(x_in, 8), scales = dense(scales_in), qzeros = dense(qzeros_in);
-    if (M <= kKernelMaxM) return awq_gemm_cuda(x, w, scales, qzeros, group_size, bias, 0, 0, true, perm);
+    const at::Tensor x = dense(xg, 8), scales = dense(scales_in), qzeros = dense(qzeros_in);
+    if (M <= kKernelMaxM) return awq_gemm_cuda(x, w, scales, qzeros, group_size, bias, 0, 0, true);
     const at::Tensor dq = awq_dequantize_cuda(awq_unrepack_cuda(w), scales, qzeros, group_size);
-    const at::Tensor xg = gathered();
-    return bias.has_value() ? at::addmm(*bias, xg, dq) : at::mm(xg, dq);
+    return bias.has_value() ? at::addmm(*bias, x, dq) : at::mm(x, dq);
   }
   if (M > kDecodeMaxM && sm90_prefill_takes(x_in, K, N, group_size)) {
     const auto prepared = derived(kAwqPrepareSm90, {qweight, scales_in, qzeros_in}, group_size, [&] {
@@ -134,18 +132,17 @@ at::Tensor awq_gemm_dispatch(const at::Tensor& x_in, const at::Tensor& qweight, 
                                               group_size);
       return std::vector<at::Tensor>{wq, s, z};
     });
-    return awq_gemm_sm90_cuda(dense(gathered()), prepared[0], prepared[1], prepared[2], group_size, bias, -1, -1);
+    return awq_gemm_sm90_cuda(dense(xg), prepared[0], prepared[1], prepared[2], group_size, bias, -1, -1);
   }
-  const at::Tensor x = dense(x_in, 8), scales = dense(scales_in), qzeros = dense(qzeros_in);
+  const at::Tensor x = dense(xg, 8), scales = dense(scales_in), qzeros = dense(qzeros_in);
   if (M <= kKernelMaxM) {
     const auto packed = derived(kAwqRepack, {qweight}, 0, [&] {
       return std::vector<at::Tensor>{awq_repack_cuda(qweight.contiguous())};
     });
-    return awq_gemm_cuda(x, packed[0], scales, qzeros, group_size, bias, 0, 0, true, perm);
+    return awq_gemm_cuda(x, packed[0], scales, qzeros, group_size, bias, 0, 0, true);
   }
   const at::Tensor w = awq_dequantize_cuda(qweight.contiguous(), scales, qzeros, group_size);
-  const at::Tensor xg = gathered();
-  return bias.has_value() ? at::addmm(*bias, xg, w) : at::mm(xg, w);
+  return bias.has_value() ? at::addmm(*bias, x, w) : at::mm(x, w);
 }
 
 at::Tensor awq_dequantize_dispatch(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& qzeros,

@@ -88,11 +88,9 @@ __host__ __device__ constexpr int batch_for(int nt, int w) { return nt > 1 && w 
 // (28672 x 4096 at 9 <= M <= 32).
 __host__ __device__ constexpr bool fold_path(int nt, int w) { return nt == 1 || (nt == 2 && w == 8); }
 
-// PERM: act-order, the activations read through perm (an instantiation of its own, so that the
-// kernels without it are the same code as before).
-template <typename T, int NT, int W, bool CLUSTER, bool PERM = false>
+template <typename T, int NT, int W, bool CLUSTER>
 __global__ void __launch_bounds__(W * 32, min_warps_per_sm(NT, W) / W) awq_gemm_kernel(
-    const T* __restrict__ x, const int* __restrict__ perm, const uint4* __restrict__ wp, const T* __restrict__ scales,
+    const T* __restrict__ x, const uint4* __restrict__ wp, const T* __restrict__ scales,
     const uint32_t* __restrict__ qzeros, const T* __restrict__ bias, T* __restrict__ out,
     float* __restrict__ partial, int M, int N, int K, int group_size) {
   constexpr bool kFold = fold_path(NT, W);
@@ -138,19 +136,8 @@ __global__ void __launch_bounds__(W * 32, min_warps_per_sm(NT, W) / W) awq_gemm_
     uint4 w[kB];
     uint2 x[kFold ? kB : 1][NT];
   };
-  // Act-order (perm): the lane's k-slots 16k + 4t + {0..3} are input channels perm[16k + 4t + {0..3}],
-  // one 16-byte load of the order and four 2-byte loads of the row (which the block's warps share in
-  // L1) instead of one 8-byte load.
   auto load_x = [&](int k, int nt) {
-    if (xrow[nt] == nullptr) return make_uint2(0u, 0u);
-    if constexpr (PERM) {
-      const int4 c = __ldg(reinterpret_cast<const int4*>(perm + (k << 4) + 4 * (lane & 3)));
-      const uint16_t* row = reinterpret_cast<const uint16_t*>(xrow[nt] - 4 * (lane & 3));
-      return make_uint2(uint32_t(__ldg(row + c.x)) | (uint32_t(__ldg(row + c.y)) << 16),
-                        uint32_t(__ldg(row + c.z)) | (uint32_t(__ldg(row + c.w)) << 16));
-    } else {
-      return __ldg(reinterpret_cast<const uint2*>(xrow[nt] + (k << 4)));
-    }
+    return xrow[nt] != nullptr ? __ldg(reinterpret_cast<const uint2*>(xrow[nt] + (k << 4))) : make_uint2(0u, 0u);
   };
   auto load_batch = [&](Batch& bt, int k0) {
 #pragma unroll
@@ -422,10 +409,10 @@ cudaError_t reduce_splits(cudaError_t launched, const float* partial, const T* b
   return cudaGetLastError();
 }
 
-template <typename T, int NT, int W, bool PERM>
-cudaError_t run_gemm_as(const void* x, const int* perm, const uint32_t* wp, const void* scales,
-                        const uint32_t* qzeros, const void* bias, void* out, float* partial, int M, int N, int K,
-                        int group_size, int splits, bool cluster, cudaStream_t stream) {
+template <typename T, int NT, int W>
+cudaError_t run_gemm(const void* x, const uint32_t* wp, const void* scales, const uint32_t* qzeros,
+                     const void* bias, void* out, float* partial, int M, int N, int K, int group_size, int splits,
+                     bool cluster, cudaStream_t stream) {
   const dim3 grid(splits, N / kStripN, (M + 8 * NT - 1) / (8 * NT));
   const T* xp = static_cast<const T*>(x);
   const uint4* wq = reinterpret_cast<const uint4*>(wp);
@@ -434,47 +421,35 @@ cudaError_t run_gemm_as(const void* x, const int* perm, const uint32_t* wp, cons
   T* op = static_cast<T*>(out);
   if (splits > 1 && cluster) {
     const ClusterLaunch launch(grid, dim3(W * 32), 0, stream, splits);
-    return cudaLaunchKernelEx(&launch.cfg, awq_gemm_kernel<T, NT, W, true, PERM>, xp, perm, wq, sp, qzeros, bp, op,
+    return cudaLaunchKernelEx(&launch.cfg, awq_gemm_kernel<T, NT, W, true>, xp, wq, sp, qzeros, bp, op,
                               static_cast<float*>(nullptr), M, N, K, group_size);
   }
-  awq_gemm_kernel<T, NT, W, false, PERM><<<grid, W * 32, 0, stream>>>(xp, perm, wq, sp, qzeros, bp, op,
-                                                                       splits > 1 ? partial : nullptr, M, N, K,
-                                                                       group_size);
+  awq_gemm_kernel<T, NT, W, false><<<grid, W * 32, 0, stream>>>(xp, wq, sp, qzeros, bp, op,
+                                                                 splits > 1 ? partial : nullptr, M, N, K, group_size);
   return reduce_splits<T>(cudaGetLastError(), partial, bp, op, M, N, splits, stream);
 }
 
-template <typename T, int NT, int W>
-cudaError_t run_gemm(const void* x, const int* perm, const uint32_t* wp, const void* scales, const uint32_t* qzeros,
-                     const void* bias, void* out, float* partial, int M, int N, int K, int group_size, int splits,
-                     bool cluster, cudaStream_t stream) {
-  return perm != nullptr
-             ? run_gemm_as<T, NT, W, true>(x, perm, wp, scales, qzeros, bias, out, partial, M, N, K, group_size,
-                                           splits, cluster, stream)
-             : run_gemm_as<T, NT, W, false>(x, perm, wp, scales, qzeros, bias, out, partial, M, N, K, group_size,
-                                            splits, cluster, stream);
-}
-
 template <typename T, int W>
-cudaError_t gemm_warps(const void* x, const int* perm, const uint32_t* wp, const void* scales, const uint32_t* qzeros,
+cudaError_t gemm_warps(const void* x, const uint32_t* wp, const void* scales, const uint32_t* qzeros,
                        const void* bias, void* out, float* partial, int M, int N, int K, int group_size, int splits,
                        bool cluster, cudaStream_t stream) {
   switch (nt_for(M)) {
-    case 1: return run_gemm<T, 1, W>(x, perm, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, stream);
-    case 2: return run_gemm<T, 2, W>(x, perm, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, stream);
-    default: return run_gemm<T, 4, W>(x, perm, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, stream);
+    case 1: return run_gemm<T, 1, W>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, stream);
+    case 2: return run_gemm<T, 2, W>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, stream);
+    default: return run_gemm<T, 4, W>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, stream);
   }
 }
 
 template <typename T>
-cudaError_t gemm_dtype(const void* x, const int* perm, const uint32_t* wp, const void* scales, const uint32_t* qzeros,
+cudaError_t gemm_dtype(const void* x, const uint32_t* wp, const void* scales, const uint32_t* qzeros,
                        const void* bias, void* out, float* partial, int M, int N, int K, int group_size, int splits,
                        int warps, bool cluster, int device, cudaStream_t stream) {
   const int W = warps_for(warps, M, N, device);
   if (W == 16)  // one token tile only (warps_for)
-    return run_gemm<T, 1, 16>(x, perm, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, stream);
+    return run_gemm<T, 1, 16>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, stream);
   if (W == 8)
-    return gemm_warps<T, 8>(x, perm, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, stream);
-  return gemm_warps<T, 4>(x, perm, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, stream);
+    return gemm_warps<T, 8>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, stream);
+  return gemm_warps<T, 4>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, stream);
 }
 
 unsigned grid_for(size_t work, int threads) {
@@ -522,7 +497,7 @@ bool gemm_needs_workspace(int splits, int device, bool allow_cluster) {
   return splits > 1 && !(allow_cluster && cluster_launch(device));
 }
 
-cudaError_t launch_gemm(DType dtype, const void* x, const int* perm, const uint32_t* wpacked, const void* scales,
+cudaError_t launch_gemm(DType dtype, const void* x, const uint32_t* wpacked, const void* scales,
                         const uint32_t* qzeros, const void* bias, void* out, float* partial, int M, int N, int K,
                         int group_size, int splits, int warps, int device, bool allow_cluster, cudaStream_t stream) {
   if (M <= 0) return cudaSuccess;
@@ -530,9 +505,9 @@ cudaError_t launch_gemm(DType dtype, const void* x, const int* perm, const uint3
   const bool cluster = splits > 1 && !gemm_needs_workspace(splits, device, allow_cluster);
   if (splits > 1 && !cluster && partial == nullptr) return cudaErrorInvalidValue;
   if (dtype == DType::kHalf)
-    return gemm_dtype<__half>(x, perm, wpacked, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, warps,
+    return gemm_dtype<__half>(x, wpacked, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, warps,
                               cluster, device, stream);
-  return gemm_dtype<__nv_bfloat16>(x, perm, wpacked, scales, qzeros, bias, out, partial, M, N, K, group_size, splits,
+  return gemm_dtype<__nv_bfloat16>(x, wpacked, scales, qzeros, bias, out, partial, M, N, K, group_size, splits,
                                    warps, cluster, device, stream);
 }
 

@@ -128,7 +128,7 @@ namespace quantfuse {
 
 at::Tensor awq_gemm_cuda(const at::Tensor& x, const at::Tensor& wpacked, const at::Tensor& scales,
                          const at::Tensor& qzeros, int64_t group_size, const std::optional<at::Tensor>& bias,
-                         int64_t warps, int64_t splits, bool cluster, const std::optional<at::Tensor>& perm) {
+                         int64_t warps, int64_t splits, bool cluster) {
   QF_CHECK(warps == 0 || warps == 4 || warps == 8 || warps == 16,
            "quantfuse awq_gemm: warps must be 0, 4, 8 or 16, got %lld", (long long)warps);
   QF_CHECK(splits >= 0 && splits <= 8, "quantfuse awq_gemm: splits must be 0 (automatic) or 1..8, got %lld",
@@ -162,14 +162,6 @@ at::Tensor awq_gemm_cuda(const at::Tensor& x, const at::Tensor& wpacked, const a
   }
   QF_CHECK(M * K < (int64_t(1) << 31) && K * N < (int64_t(1) << 31) && M * N < (int64_t(1) << 31),
               "quantfuse awq_gemm: sizes too large for 32-bit indexing");
-  const int* perm_ptr = nullptr;
-  if (perm.has_value()) {
-    check_cuda_contig(*perm, "perm");
-    QF_CHECK(perm->scalar_type() == at::kInt && perm->dim() == 1 && perm->size(0) == K,
-             "quantfuse awq_gemm: 'perm' must be int32 [K] (K = %lld)", (long long)K);
-    check_aligned(*perm, "perm");
-    perm_ptr = perm->data_ptr<int32_t>();
-  }
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
@@ -180,7 +172,7 @@ at::Tensor awq_gemm_cuda(const at::Tensor& x, const at::Tensor& wpacked, const a
   at::Tensor partial;
   if (quantfuse::awq::gemm_needs_workspace(nsplit, device, cluster))
     partial = at::empty({nsplit, M, N}, x.options().dtype(at::kFloat));
-  check_launch(quantfuse::awq::launch_gemm(dt, x.data_ptr(), perm_ptr, reinterpret_cast<const uint32_t*>(wpacked.data_ptr<int32_t>()),
+  check_launch(quantfuse::awq::launch_gemm(dt, x.data_ptr(), reinterpret_cast<const uint32_t*>(wpacked.data_ptr<int32_t>()),
                                            scales.data_ptr(), reinterpret_cast<const uint32_t*>(qzeros.data_ptr<int32_t>()),
                                            bias_ptr, out.data_ptr(), partial.defined() ? partial.data_ptr<float>() : nullptr,
                                            (int)M, (int)N, (int)K, (int)group_size, nsplit, (int)warps, device, cluster,
@@ -209,7 +201,7 @@ TORCH_LIBRARY_FRAGMENT(quantfuse, m) {
   m.def("_awq_unrepack_cuda(Tensor packed) -> Tensor");
   m.def("_awq_dequantize_cuda(Tensor qweight, Tensor scales, Tensor qzeros, int group_size) -> Tensor");
   m.def("_awq_gemm_cuda(Tensor x, Tensor wpacked, Tensor scales, Tensor qzeros, int group_size, "
-        "Tensor? bias=None, int warps=0, int splits=0, bool cluster=True, Tensor? perm=None) -> Tensor");
+        "Tensor? bias=None, int warps=0, int splits=0, bool cluster=True) -> Tensor");
   m.def("_awq_gemm_splits(int M, int N, int K, bool bf16, int device, int warps=0) -> int", &awq_gemm_splits);
   m.def("_awq_gemm_folds(int M, int N, int device, int warps=0) -> bool", &awq_gemm_folds);
 }

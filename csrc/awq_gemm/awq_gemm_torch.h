@@ -16,12 +16,10 @@ at::Tensor awq_unrepack_cuda(const at::Tensor& packed);
 // [K, N] = (q - z) * s in the dtype of scales.
 at::Tensor awq_dequantize_cuda(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& qzeros,
                                int64_t group_size);
-// The weight-streaming kernel on a repacked weight; warps/splits 0 = chosen; perm: act-order (x's
-// input channel perm[j] multiplies row j of the weight), read by the kernel's activation loads.
+// The weight-streaming kernel on a repacked weight; warps/splits 0 = chosen.
 at::Tensor awq_gemm_cuda(const at::Tensor& x, const at::Tensor& wpacked, const at::Tensor& scales,
                          const at::Tensor& qzeros, int64_t group_size, const std::optional<at::Tensor>& bias,
-                         int64_t warps, int64_t splits, bool cluster,
-                         const std::optional<at::Tensor>& perm = std::nullopt);
+                         int64_t warps, int64_t splits, bool cluster);
 // Hopper prefill: (wq, scales, zeros) prepared once per weight, then the CUTLASS kernel.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> awq_prepare_sm90_cuda(const at::Tensor& qweight,
                                                                      const at::Tensor& scales,
