@@ -143,8 +143,8 @@ def _assign_roles(sub: Subgraph, K: int, N: int, dtype) -> list[_Roles] | str:
     qweights = [n for n in ints if _leaf_shape(n) == (K, C)]
     if not qweights:
         shapes = ", ".join(_describe(n) for n in ints)
-        return (f"no int32 tensor among the weight's inputs ({shapes}) is qweight [K, N/8] = [{K}, {C}] "
-                f"of a [{K}, {N}] weight (8 values of 4 bits per int32)")
+        return _Unassigned(f"no int32 tensor among the weight's inputs ({shapes}) is qweight [K, N/8] = "
+                           f"[{K}, {C}] of a [{K}, {N}] weight (8 values of 4 bits per int32)")
     options = []
     for qw in qweights:
         for qz in ints:
@@ -341,8 +341,8 @@ def _assign_gptq_roles(sub: Subgraph, K: int, N: int, dtype) -> list[_GPTQRoles]
     ints = [n for n in leaves if (s := _leaf_shape(n, torch.int32)) is not None and len(s) == 2]
     qweights = [n for n in ints if K % AWQ_PACK == 0 and _leaf_shape(n) == (K // AWQ_PACK, N)]
     if not qweights:
-        return (f"no int32 tensor among the weight's inputs ({', '.join(_describe(n) for n in ints)}) is "
-                f"GPTQ's qweight [K/8, N] = [{K // AWQ_PACK}, {N}] either")
+        return _Unassigned(f"no int32 tensor among the weight's inputs ({', '.join(_describe(n) for n in ints)}) "
+                           f"is GPTQ's qweight [K/8, N] = [{K // AWQ_PACK}, {N}] either")
     g_idxs = [n for n in leaves if (t := tensor_val(n)) is not None and t.dtype in _INDEX_DTYPES
               and _leaf_shape(n) == (K,)]
     options = []
@@ -538,7 +538,7 @@ def _gptq_in_order(sub: Subgraph, roles: _GPTQRoles, group: int) -> bool:
 def _analyze_gptq(sub: Subgraph, mm: Node, K: int, N: int, dtype) -> _Fusion | str:
     options = _assign_gptq_roles(sub, K, N, dtype)
     if isinstance(options, str):
-        return _Unassigned(options)
+        return options
     reasons = []
     for roles in options:
         extra = [n for n in sub.inputs if n not in roles.by_name().values()]
@@ -672,18 +672,18 @@ def _analyze(mm: Node, x: Node, w: Node) -> _Fusion | str | None:
     gptq = _analyze_gptq(sub, mm, K, N, dtype)
     if isinstance(gptq, _Fusion):
         return gptq
-    # The reading whose tensors the leaves are gives the reason (AWQ's when both or neither are).
-    return gptq if isinstance(awq, _Unassigned) and not isinstance(gptq, _Unassigned) else str(awq)
+    # The reading whose qweight is among the leaves gives the reason (AWQ's when both or neither are).
+    return str(gptq) if isinstance(awq, _Unassigned) and not isinstance(gptq, _Unassigned) else str(awq)
 
 
 class _Unassigned(str):
-    """Why no leaves have a reading's roles (as opposed to roles that did not pass the probes)."""
+    """Why no leaf is a reading's qweight (the leaves are not that reading's tensors at all)."""
 
 
 def _analyze_awq(sub: Subgraph, mm: Node, K: int, N: int, dtype) -> _Fusion | str:
     options = _assign_roles(sub, K, N, dtype)
     if isinstance(options, str):
-        return _Unassigned(options)
+        return options
     reasons = []
     for roles in options:
         extra = [n for n in sub.inputs if n not in roles.by_name().values()]
