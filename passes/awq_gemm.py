@@ -1,4 +1,4 @@
-"""AWQ (W4A16): a matmul whose weight is an AWQ dequantization, into ``quantfuse.awq_gemm``.
+"""AWQ (W4A16): a matmul whose weight is an AWQ (or GPTQ 4-bit) dequantization, into ``quantfuse.awq_gemm``.
 
 What is fused (docs/DESIGN.md pass form 3): ``mm(x, W)`` (also ``addmm(bias, x, W)``)
 where ``W [K, N]`` is computed from ``qweight [K, N/8]`` and ``qzeros [K/G, N/8]``
@@ -34,6 +34,26 @@ sign), random words, random zero points, scales distinct per group and column
 (group boundaries), and everything random at once.  The first probe that
 differs says why the candidate is left alone.  When the three tensors are
 graph constants, the subgraph is also evaluated once on their real values.
+
+GPTQ, the same arithmetic packed another way (GPTQModel's ``TorchQuantLinear``, what transformers' GPTQ
+gives with ``backend="torch"``, and AutoGPTQ's torch forms): when no leaf is AWQ's ``qweight``, the leaves
+are read as ``qweight [K/8, N]`` (along K) and ``qzeros [K/G, N/8]`` (along N), both lowest nibble first,
+``scales [K/G, N]`` and an optional int32/int64 ``g_idx [K]``, and what ``W`` computes must be::
+
+    W[k, n] = (q[k, n] - z[g_idx[k], n]) * scales[g_idx[k], n]      (g_idx[k] = k // G without one)
+
+with ``z`` the zero points as stored (v2) or plus one (v1), both readings tried
+(``ops.gptq_dequantize_reference``).  The probes add the zero points' bit order and, with a ``g_idx``, one
+probe per cyclic shift of the groups (every row reads every group), an act-order permutation and uneven
+random groups: a gather by ``g_idx`` is an index the probes vary, not a lookup.  Integer graph inputs of 8
+elements read by ``W`` (GPTQModel's ``wf_unsqueeze_*`` shift buffers, whose values the compile does not
+see) are read as the shifts ``[0, 4, ..., 28]``.  The replacement is ``quantfuse.gptq_to_awq`` (the one
+GPTQ -> AWQ conversion, ``ops.awq_gemm.awq_state``, a value derived from the GPTQ tensors: made once per
+weight, served from the derived-value cache while none changed, which checks the shift buffers' values
+and refuses groups of another size than ``G`` and a v1 stored zero point of 15) feeding ``awq_gemm`` with
+the GPTQ scales as they are and the conversion's ``perm`` (act-order), which is left out where the groups
+are known in order (no ``g_idx``, or a constant one equal to ``k // G``).  With the GPTQ tensors graph
+constants those refusals leave the candidate unfused with the reason instead.
 
 Checked besides (a failure leaves the graph as it was, with the reason):
 activations, scales, ``W`` and the matmul all float16 or bfloat16 and equal;
