@@ -316,10 +316,15 @@ def test_gptq_to_awq_made_once_per_weight():
 
 
 @pytest.mark.compile
-def test_llama_with_gptq_torch_layers_generates_as_eager():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_llama_with_gptq_torch_layers_generates_as_eager(device, request):
     """A 2-layer LlamaForCausalLM whose linears are GPTQModel torch layers (act-order in layer 1), compiled
-    with backend="quantfuse": every linear fused, ``generate`` tokens equal to eager's."""
+    with backend="quantfuse": every linear fused, ``generate`` tokens equal to eager's; on a GPU in
+    ``reduce-overhead`` mode (CUDA graphs from the first call: the converted weights are made outside
+    the graphs' memory pool)."""
     pytest.importorskip("transformers")
+    if device == "cuda":
+        request.getfixturevalue("cuda_kernels")
     import transformers
     from test_checkpoints_gptq import LINEARS
     from test_e2e_hf import assert_tokens_match, eager_generate, generate, prompt, tiny_causal_lm
@@ -340,10 +345,11 @@ def test_llama_with_gptq_torch_layers_generates_as_eager():
                 t["s"] = (t["s"].float() * 0.3).half()  # keep the activations of the random model in range
                 t["bias"] = None
                 setattr(parent, name, GPTQModelTorchLinear(t))
-    ids = prompt(model.config.vocab_size, "cpu")
+    model.to(device)
+    ids = prompt(model.config.vocab_size, device)
     ref_tokens, ref_logits = eager_generate(model, ids)
 
-    config = transformers.CompileConfig(backend="quantfuse", mode="default")
+    config = transformers.CompileConfig(backend="quantfuse", mode="default" if device == "cpu" else "reduce-overhead")
     config._compile_all_devices = True  # transformers compiles on accelerators only unless told
     model.generation_config.compile_config = config
     torch._dynamo.reset()
