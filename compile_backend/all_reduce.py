@@ -11,11 +11,13 @@ per group and device and registers it with the peers (a collective: every rank c
 ``tensor_parallel`` does), and ``quantfuse::symm_all_reduce`` copies its input there first:
 
 * one-shot: ``symm_mem.one_shot_all_reduce_copy`` (the copy and the sum in one kernel) up to
-  ``ONE_SHOT_MAX_BYTES``;
-* two-shot: a copy into the buffer, ``symm_mem.two_shot_all_reduce_out``, up to the buffer's size;
-* larger inputs, float16 (torch's kernels take bfloat16 and float32 only), CPU tensors, groups without a
-  buffer: NCCL (``all_reduce`` in ``RowParallelLinear``, the functional collective ``torch.compile``
-  traces).
+  ``ONE_SHOT_MAX_BYTES``; float16, which torch's kernels do not take, through our own one-shot kernel
+  (``quantfuse::_one_shot_all_reduce_cuda``, csrc/all_reduce/: the same algorithm on the same buffer
+  and signal pads);
+* two-shot (bfloat16, float32): a copy into the buffer, ``symm_mem.two_shot_all_reduce_out``, up to the
+  buffer's size;
+* larger inputs (float16: past one-shot), CPU tensors, groups without a buffer: NCCL (``all_reduce`` in
+  ``RowParallelLinear``, the functional collective ``torch.compile`` traces).
 
 The kernels synchronise the ranks on entry and on exit (signal pads), so one buffer serves every call in
 turn.  The sum is computed in the same order on every rank, so all ranks hold the same result; it can
@@ -39,12 +41,15 @@ log = logging.getLogger("quantfuse.all_reduce")
 # largest size measured).
 ONE_SHOT_MAX_BYTES = 512 * 1024
 BUFFER_BYTES = 4 * 1024 * 1024  # two-shot up to this; NCCL beyond
-# torch's symmetric-memory all-reduce kernels take float32 and bfloat16 (not float16: NCCL serves those)
-DTYPES = (torch.bfloat16, torch.float32)
+# torch's symmetric-memory all-reduce kernels take float32 and bfloat16; float16 runs our one-shot kernel
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ENV = "QUANTFUSE_ALL_REDUCE"  # "nccl": no symmetric-memory all-reduce
 
-# (group name, device index) -> the registered buffer (uint8, BUFFER_BYTES)
+# (group name, device index) -> the registered buffer (uint8, BUFFER_BYTES) and its handle
 _BUFFERS: dict[tuple[str, int], torch.Tensor] = {}
+_HANDLES: dict[tuple[str, int], object] = {}
+# Whether our float16 one-shot kernel is loaded (set by enable; without it float16 stays on NCCL).
+_HALF_KERNEL = False
 _WARNED: set[tuple] = set()  # what the op's NCCL fallback has logged (once each)
 
 
@@ -72,12 +77,17 @@ def enable(group: dist.ProcessGroup, device: torch.device) -> bool:
         from torch.distributed import _symmetric_memory as symm_mem
 
         buf = symm_mem.empty(BUFFER_BYTES, dtype=torch.uint8, device=torch.device("cuda", key[1]))
-        symm_mem.rendezvous(buf, group.group_name)
+        handle = symm_mem.rendezvous(buf, group.group_name)
     except Exception as exc:  # no P2P access, a torch built without it: NCCL serves every call
         log.warning("quantfuse: symmetric-memory all-reduce unavailable for group %s (%s: %s); "
                     "NCCL serves every all-reduce", group.group_name, type(exc).__name__, exc)
         return False
     _BUFFERS[key] = buf
+    _HANDLES[key] = handle
+    global _HALF_KERNEL
+    from .kernels.loader import ensure_loaded
+
+    _HALF_KERNEL = ensure_loaded() and hasattr(torch.ops.quantfuse, "_one_shot_all_reduce_cuda")
     log.info("quantfuse: symmetric-memory all-reduce for group %s on cuda:%d (%d ranks; one-shot up to "
              "%d KB, two-shot up to %d KB)", group.group_name, key[1], dist.get_world_size(group),
              ONE_SHOT_MAX_BYTES // 1024, BUFFER_BYTES // 1024)
@@ -91,8 +101,11 @@ def _buffer(group_name: str, device: torch.device) -> torch.Tensor | None:
 def fits(x: torch.Tensor) -> bool:
     """Whether ``symm_all_reduce`` takes ``x`` on a group with a buffer (else NCCL): shape and dtype alone,
     so that under ``torch.compile`` it is a constant of the trace (static shapes) or a guard on the size."""
+    if x.dtype == torch.float16 and not _HALF_KERNEL:
+        return False
     nbytes = x.numel() * x.element_size()
-    return x.device.type == "cuda" and x.dtype in DTYPES and 0 < nbytes <= BUFFER_BYTES and nbytes % 16 == 0
+    most = ONE_SHOT_MAX_BYTES if x.dtype == torch.float16 else BUFFER_BYTES  # no two-shot of our own
+    return x.device.type == "cuda" and x.dtype in DTYPES and 0 < nbytes <= most and nbytes % 16 == 0
 
 
 @torch.library.custom_op("quantfuse::symm_all_reduce", mutates_args=())
@@ -110,6 +123,11 @@ def symm_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
         dist.all_reduce(out, group=dist.distributed_c10d._resolve_process_group(group_name))
         return out
     x = x.contiguous()
+    if x.dtype == torch.float16:
+        handle = _HANDLES[(group_name, x.device.index)]
+        return torch.ops.quantfuse._one_shot_all_reduce_cuda(x, buf, handle.buffer_ptrs_dev,
+                                                             handle.signal_pad_ptrs_dev, handle.rank,
+                                                             handle.world_size)
     staged = buf.view(x.dtype)[: x.numel()].view(x.shape)
     if x.numel() * x.element_size() <= ONE_SHOT_MAX_BYTES:
         return torch.ops.symm_mem.one_shot_all_reduce_copy(staged, x, "sum", group_name)

@@ -4,10 +4,11 @@ AutoAWQ's ``WQLinear_GEMM``, transformers' and GPTQModel's AWQ layers hold ``qwe
 ``[K, N/8]``.  The passes fuse them as they are, but the kernels then keep their own layouts of each
 weight beside it (the decode kernel's fragments and, on Hopper after a prefill, the prepared layout:
 up to twice the packed weight; ``explain()`` says so per layer).  GPTQ layers in torch form (GPTQModel's
-torch kernel, what transformers gives with ``backend="torch"``) pack along K (``qweight [K/8, N]``), which
-no pattern takes.  ``prepare`` replaces each such layer with an ``AWQLinear`` holding the kernels' one
-layout, the original dropped, and stores the layers that share an input as views of merged tensors
-(``share_input_storage``).
+torch kernel, what transformers gives with ``backend="torch"``) pack along K (``qweight [K/8, N]``); the
+AWQ pass fuses them as they are through a conversion into the AWQ layout made once per weight, which the
+kernels then keep beside the GPTQ tensors, and cannot merge them.  ``prepare`` replaces each such layer
+with an ``AWQLinear`` holding the kernels' one layout, the original dropped, and stores the layers that
+share an input as views of merged tensors (``share_input_storage``).
 
 A layer is a candidate when it holds (as parameters, buffers or attributes) an int32 ``qweight``,
 ``qzeros`` and float16 / bfloat16 ``scales`` of one of the two formats:

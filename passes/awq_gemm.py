@@ -1,4 +1,4 @@
-"""AWQ (W4A16): a matmul whose weight is an AWQ dequantization, into ``quantfuse.awq_gemm``.
+"""AWQ (W4A16): a matmul whose weight is an AWQ (or GPTQ 4-bit) dequantization, into ``quantfuse.awq_gemm``.
 
 What is fused (docs/DESIGN.md pass form 3): ``mm(x, W)`` (also ``addmm(bias, x, W)``)
 where ``W [K, N]`` is computed from ``qweight [K, N/8]`` and ``qzeros [K/G, N/8]``
@@ -35,6 +35,26 @@ sign), random words, random zero points, scales distinct per group and column
 differs says why the candidate is left alone.  When the three tensors are
 graph constants, the subgraph is also evaluated once on their real values.
 
+GPTQ, the same arithmetic packed another way (GPTQModel's ``TorchQuantLinear``, what transformers' GPTQ
+gives with ``backend="torch"``, and AutoGPTQ's torch forms): when no leaf is AWQ's ``qweight``, the leaves
+are read as ``qweight [K/8, N]`` (along K) and ``qzeros [K/G, N/8]`` (along N), both lowest nibble first,
+``scales [K/G, N]`` and an optional int32/int64 ``g_idx [K]``, and what ``W`` computes must be::
+
+    W[k, n] = (q[k, n] - z[g_idx[k], n]) * scales[g_idx[k], n]      (g_idx[k] = k // G without one)
+
+with ``z`` the zero points as stored (v2) or plus one (v1), both readings tried
+(``ops.gptq_dequantize_reference``).  The probes add the zero points' bit order and, with a ``g_idx``, one
+probe per cyclic shift of the groups (every row reads every group), an act-order permutation and uneven
+random groups: a gather by ``g_idx`` is an index the probes vary, not a lookup.  Integer graph inputs of 8
+elements read by ``W`` (GPTQModel's ``wf_unsqueeze_*`` shift buffers, whose values the compile does not
+see) are read as the shifts ``[0, 4, ..., 28]``.  The replacement is ``quantfuse.gptq_to_awq`` (the one
+GPTQ -> AWQ conversion, ``ops.awq_gemm.awq_state``, a value derived from the GPTQ tensors: made once per
+weight, served from the derived-value cache while none changed, which checks the shift buffers' values
+and refuses groups of another size than ``G`` and a v1 stored zero point of 15) feeding ``awq_gemm`` with
+the GPTQ scales as they are and the conversion's ``perm`` (act-order), which is left out where the groups
+are known in order (no ``g_idx``, or a constant one equal to ``k // G``).  With the GPTQ tensors graph
+constants those refusals leave the candidate unfused with the reason instead.
+
 Checked besides (a failure leaves the graph as it was, with the reason):
 activations, scales, ``W`` and the matmul all float16 or bfloat16 and equal;
 static weight shapes; ``N % 8 == 0``; the nodes computing ``W`` from the three
@@ -57,7 +77,6 @@ from torch._inductor.pattern_matcher import (
     CallFunction,
     KeywordArg,
     Match,
-    PatternExpr,
     register_graph_pattern,
 )
 from torch.fx import Node
@@ -66,8 +85,12 @@ from compile_backend.ops.awq_gemm import (
     AWQ_ACT_DTYPES,
     AWQ_PACK,
     AWQ_SHIFTS,
+    GPTQ_SHIFTS,
     awq_dequantize_reference,
     fragment_layout_takes,
+    gptq_dequantize_reference,
+    gptq_unpack,
+    regroup,
 )
 
 from . import dequant_probe
@@ -78,6 +101,7 @@ from .fx_helpers import (
     bias_add_patterns,
     is_backward,
     no_alpha,
+    register_cached_output_lowering,
     register_checked,
     static_shape,
     tensor_val,
@@ -86,6 +110,7 @@ from .fx_helpers import (
 aten, prims = torch.ops.aten, torch.ops.prims
 
 FAMILY = "awq_gemm"
+GPTQ_TO_AWQ = torch.ops.quantfuse.gptq_to_awq.default
 PASS_SLOTS = ("joint_custom_pre_pass",)
 MASK = 2**4 - 1
 
@@ -138,8 +163,8 @@ def _assign_roles(sub: Subgraph, K: int, N: int, dtype) -> list[_Roles] | str:
     qweights = [n for n in ints if _leaf_shape(n) == (K, C)]
     if not qweights:
         shapes = ", ".join(_describe(n) for n in ints)
-        return (f"no int32 tensor among the weight's inputs ({shapes}) is qweight [K, N/8] = [{K}, {C}] "
-                f"of a [{K}, {N}] weight (8 values of 4 bits per int32)")
+        return _Unassigned(f"no int32 tensor among the weight's inputs ({shapes}) is qweight [K, N/8] = "
+                           f"[{K}, {C}] of a [{K}, {N}] weight (8 values of 4 bits per int32)")
     options = []
     for qw in qweights:
         for qz in ints:
@@ -281,6 +306,288 @@ def _check_real_values(sub: Subgraph, roles: _Roles, K: int, groups: int) -> str
                                          SizeMap.real_sizes({"K": K}), "the AWQ dequantization")
 
 
+# --------------------------------------------------------------------------- the GPTQ reading
+#
+# GPTQ's torch dequantization (GPTQModel's ``TorchQuantLinear``, what transformers' GPTQ gives with
+# ``backend="torch"``; AutoGPTQ's torch path) computes AWQ's arithmetic from another packing:
+# ``qweight [K/8, N]`` (along K), ``qzeros [K/G, N/8]`` (along N, both lowest nibble first), ``scales
+# [K/G, N]`` and ``g_idx [K]``.  The leaves are told apart by dtype and shape as AWQ's are; the probes
+# compare with ``gptq_dequantize_reference``, reading the zero points as stored (v2) or plus one (v1).
+
+
+@dataclass(frozen=True)
+class _GPTQ:
+    """How the GPTQ reading's op reads the leaves (``_GPTQRoles``) and what it proved."""
+
+    g_idx: Node | None
+    tables: tuple[Node, ...]  # graph inputs read as GPTQ's shifts; the op checks their values
+    v1: bool
+    perm: bool  # whether awq_gemm reads x through the conversion's perm (False: groups known in order)
+
+
+@dataclass(frozen=True)
+class _GPTQRoles:
+    qweight: Node
+    qzeros: Node
+    scales: Node
+    g_idx: Node | None
+    tables: tuple[Node, ...]
+
+    def by_name(self) -> dict[str, Node]:
+        roles = {"qweight": self.qweight, "qzeros": self.qzeros, "scales": self.scales}
+        if self.g_idx is not None:
+            roles["g_idx"] = self.g_idx
+        roles.update({f"shift_table{i}": t for i, t in enumerate(self.tables)})
+        return roles
+
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _shift_table(n: Node) -> bool:
+    """A graph input that may be GPTQ's shift table (``wf``): 8 integers."""
+    t = tensor_val(n)
+    return t is not None and t.dtype in _INDEX_DTYPES and static_shape(t) is not None and t.numel() == AWQ_PACK
+
+
+def _assign_gptq_roles(sub: Subgraph, K: int, N: int, dtype) -> list[_GPTQRoles] | str:
+    """Every way of reading the leaves as GPTQ's (qweight, qzeros, scales[, g_idx]) of a [K, N] weight,
+    or why there is none.  Other integer graph inputs of 8 elements are read as the shift table."""
+    C = N // AWQ_PACK
+    targets = {}
+    for n in sub.constants:
+        targets.setdefault(n.target, n)
+    leaves = [*sub.inputs, *targets.values()]
+    ints = [n for n in leaves if (s := _leaf_shape(n, torch.int32)) is not None and len(s) == 2]
+    qweights = [n for n in ints if K % AWQ_PACK == 0 and _leaf_shape(n) == (K // AWQ_PACK, N)]
+    if not qweights:
+        return _Unassigned(f"no int32 tensor among the weight's inputs ({', '.join(_describe(n) for n in ints)}) "
+                           f"is GPTQ's qweight [K/8, N] = [{K // AWQ_PACK}, {N}] either")
+    g_idxs = [n for n in leaves if (t := tensor_val(n)) is not None and t.dtype in _INDEX_DTYPES
+              and _leaf_shape(n) == (K,)]
+    options = []
+    for qw in qweights:
+        for qz in ints:
+            zs = _leaf_shape(qz)
+            if qz is qw or zs[1] != C or zs[0] == 0 or K % zs[0]:
+                continue
+            for s in leaves:
+                if _leaf_shape(s, dtype) != (zs[0], N):
+                    continue
+                for g in [*g_idxs, None]:
+                    taken = {qw, qz, s, g}
+                    tables = tuple(n for n in sub.inputs if n not in taken and _shift_table(n))
+                    options.append(_GPTQRoles(qw, qz, s, g, tables))
+    if not options:
+        return (f"no qzeros [K/G, {C}] (int32) and scales [K/G, {N}] ({dtype}) with one group count beside "
+                f"GPTQ's qweight among the weight's inputs {', '.join(_describe(n) for n in leaves)}")
+    return options
+
+
+def _gptq_probes(sub: Subgraph, roles: _GPTQRoles, K: int, C: int, groups: int, dtype, v1: bool) -> list[Probe]:
+    """The GPTQ probe inputs at sizes K, N/8 = C and K/G = groups, each with what its failure means."""
+    N, G, R = C * AWQ_PACK, K // groups, K // AWQ_PACK
+    gen = torch.Generator().manual_seed(0)
+    in_order = torch.arange(K) // G
+
+    def words(rows, cols, value):
+        return torch.full((rows, cols), _int32(value), dtype=torch.int32)
+
+    def random_words(rows, cols):
+        return torch.randint(-(2**31), 2**31, (rows, cols), generator=gen, dtype=torch.int32)
+
+    def zero_words():
+        # v1 stores each zero point minus one, so its stored nibbles are 0..14 (a 15 is refused by the op).
+        if not v1:
+            return random_words(groups, C)
+        nibbles = torch.randint(0, 15, (groups, C, AWQ_PACK), generator=gen, dtype=torch.int64)
+        packed = (nibbles << torch.tensor(GPTQ_SHIFTS)).sum(-1)
+        return (packed - ((packed >> 31) << 32)).to(torch.int32)
+
+    unit = torch.ones(groups, N, dtype=dtype)
+    i = torch.arange(groups * N, dtype=torch.float64).view(groups, N)
+    distinct = ((i % 256 + 1) * torch.exp2((i // 256) % 16 - 8)).to(dtype)  # exact in float16 and bfloat16
+    random_scales = (torch.rand(groups, N, generator=gen, dtype=torch.float32) * 0.1 + 1e-3).to(dtype)
+
+    def where(got, want):
+        k, n = dequant_probe.first_difference(got, want)
+        return k, n, f"row {k}, column {n}"
+
+    def mask(got, want):
+        masks = _static_masks(sub)
+        if masks:
+            return f"the mask is {masks[0]}, not {MASK} (4-bit values)"
+        k, n, _ = where(got, want)
+        return f"an all-ones int32 unpacks to {got[k, n].item()}, not {MASK}: the values are not 4-bit fields"
+
+    def read_bits(values):
+        return [4 * int(v) if float(v).is_integer() and 0 <= v < AWQ_PACK else f"?({v})" for v in values]
+
+    def order(got, want):
+        k, n, _ = where(got, want)
+        b = k // AWQ_PACK * AWQ_PACK
+        return (f"bit order: rows {b}..{b + AWQ_PACK - 1} read bits {read_bits(got[b:b + AWQ_PACK, n].tolist())} "
+                f"of their qweight word, GPTQ's order reads {list(GPTQ_SHIFTS)}")
+
+    def zero_order(got, want):
+        k, n, _ = where(got, want)
+        b = n // AWQ_PACK * AWQ_PACK
+        offset = 1 if v1 else 0
+        read = read_bits([-v - offset for v in got[k, b:b + AWQ_PACK].tolist()])
+        return (f"zero-point bit order: columns {b}..{b + AWQ_PACK - 1} read bits {read} of their qzeros word, "
+                f"GPTQ's order reads {list(GPTQ_SHIFTS)}")
+
+    def sign(got, want):
+        k, n, _ = where(got, want)
+        return f"a 4-bit weight 0 minus a zero point {want[k, n].item():g} gives {got[k, n].item()}"
+
+    def word(got, want):
+        k, n, at = where(got, want)
+        return (f"{at} is not bits {GPTQ_SHIFTS[k % AWQ_PACK]}.. of qweight[{k // AWQ_PACK}, {n}]: the weight "
+                "reads other int32 words or bits")
+
+    def zero(got, want):
+        k, n, at = where(got, want)
+        return f"{at} subtracts another zero point than qzeros' group {in_order[k].item()}, column {n}"
+
+    def scale(got, want):
+        k, n, at = where(got, want)
+        hits = (distinct == got[k, n]).nonzero()
+        source = f"scales[{hits[0, 0]}, {hits[0, 1]}]" if len(hits) else f"{got[k, n].item()}"
+        return f"{at} is scaled by {source}, not scales[{in_order[k].item()}, {n}]"
+
+    def group_index(g_idx):
+        def explain(got, want):
+            k, n, at = where(got, want)
+            return f"{at} does not read group g_idx[{k}] = {g_idx[k].item()}: the groups are not gathered by g_idx"
+        return explain
+
+    def other(got, want):
+        k, n, at = where(got, want)
+        return f"{at} differs from the GPTQ dequantization ({got[k, n].item()} vs {want[k, n].item()})"
+
+    g_dtype = tensor_val(roles.g_idx).dtype if roles.g_idx is not None else None
+    tables = {f"shift_table{i}": torch.tensor(GPTQ_SHIFTS, dtype=tensor_val(t).dtype).reshape(tensor_val(t).shape)
+              for i, t in enumerate(roles.tables)}
+
+    def probe(name, qweight, qzeros, scales, explain, g_idx=in_order):
+        inputs = {"qweight": qweight, "qzeros": qzeros, "scales": scales, **tables}
+        if g_dtype is not None:
+            inputs["g_idx"] = g_idx.to(g_dtype)
+        return Probe(name, inputs, explain)
+
+    probes = [
+        probe("mask", words(R, N, 0xFFFFFFFF), words(groups, C, 0), unit, mask),
+        probe("order", words(R, N, 0x76543210), words(groups, C, 0), unit, order),
+        probe("zero order", words(R, N, 0), words(groups, C, 0x76543210), unit, zero_order),
+        probe("sign", words(R, N, 0), words(groups, C, 0x11111111), unit, sign),
+        probe("words", random_words(R, N), words(groups, C, 0), unit, word),
+        probe("zeros", words(R, N, 0x88888888), zero_words(), unit, zero),
+        probe("scales", words(R, N, 0x11111111), words(groups, C, 0), distinct, scale),
+    ]
+    if g_dtype is not None:
+        # Every row reads every group once (cyclic shifts), then act-order's permuted groups and
+        # group indices that are not even a grouping (the gather by g_idx, not a regular pattern).
+        shifted = [(in_order + s) % groups for s in range(groups)]
+        orders = [*shifted, in_order[torch.randperm(K, generator=gen)],
+                  torch.randint(0, groups, (K,), generator=gen)]
+        probes += [probe(f"g_idx {j}", random_words(R, N), zero_words(), distinct, group_index(g), g)
+                   for j, g in enumerate(orders)]
+    probes.append(probe("random", random_words(R, N), zero_words(), random_scales, other))
+    return probes
+
+
+def _gptq_reference(v1: bool):
+    def ref(qweight, qzeros, scales, g_idx=None, **tables):
+        return gptq_dequantize_reference(qweight, qzeros, scales, g_idx, v1)
+
+    return ref
+
+
+def _prove_gptq(sub: Subgraph, roles: _GPTQRoles, K: int, N: int, dtype, v1: bool) -> str | None:
+    """None when the subgraph provably computes the GPTQ dequantization of ``roles`` (v1: zero points
+    plus one), else why not."""
+    key = ("gptq", v1, dequant_probe.signature(sub, roles.by_name()), K, N, dtype)
+    return dequant_probe.cached(_VERDICTS, key, lambda: _prove_gptq_real(sub, roles, K, N, dtype, v1))
+
+
+def _prove_gptq_real(sub: Subgraph, roles: _GPTQRoles, K: int, N: int, dtype, v1: bool) -> str | None:
+    C, groups = N // AWQ_PACK, _leaf_shape(roles.qzeros)[0]
+    G = K // groups
+    if G % AWQ_PACK:
+        return f"group size {G} is not a multiple of {AWQ_PACK} (one GPTQ qweight word spans two groups)"
+    real = {"pack": AWQ_PACK, "C": C, "groups": groups, "Gp": G // AWQ_PACK}
+
+    def probes_at(sizes: SizeMap):
+        k, c, g = sizes(K), sizes(C), sizes(groups)
+        return _gptq_probes(sub, roles, k, c, g, dtype, v1), _gptq_reference(v1)
+
+    return dequant_probe.prove(sub, roles.by_name(), real, probes_at, fixed={"pack": AWQ_PACK})
+
+
+def _gptq_constants_reason(sub: Subgraph, roles: _GPTQRoles, K: int, group: int, v1: bool) -> str | None:
+    """With the GPTQ tensors graph constants: the subgraph on their real values, and the values the
+    conversion takes (``gptq_to_awq``'s rules: groups of ``group`` channels, v1 zero points 0..14)."""
+    why = dequant_probe.check_constants(sub, roles.by_name(), _gptq_reference(v1), SizeMap.real_sizes({"K": K}),
+                                        "the GPTQ dequantization")
+    if why is not None:
+        return why
+    qzeros = sub.constants.get(roles.qzeros)
+    if v1 and qzeros is not None and qzeros.numel() and int(gptq_unpack(qzeros).max()) == MASK:
+        return "a v1 zero point is stored as 15 (a zero point of 0): no 4-bit AWQ zero point reads it the same"
+    g_idx = sub.constants.get(roles.g_idx) if roles.g_idx is not None else None
+    if g_idx is not None:
+        try:
+            if g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= K // group):
+                raise ValueError(f"holds group indices outside [0, {K // group})")
+            regroup(g_idx, group)
+        except ValueError as exc:
+            return f"g_idx {exc}"
+    return None
+
+
+def _gptq_in_order(sub: Subgraph, roles: _GPTQRoles, group: int) -> bool:
+    """Whether the groups are known to be in order (no ``g_idx``, or a constant one equal to ``k // G``):
+    then the op reads x as it is, else through the conversion's ``perm``."""
+    if roles.g_idx is None:
+        return True
+    g_idx = sub.constants.get(roles.g_idx)
+    return g_idx is not None and regroup(g_idx, group) is None
+
+
+def _analyze_gptq(sub: Subgraph, mm: Node, K: int, N: int, dtype) -> _Fusion | str:
+    options = _assign_gptq_roles(sub, K, N, dtype)
+    if isinstance(options, str):
+        return options
+    reasons = []
+    for roles in options:
+        extra = [n for n in sub.inputs if n not in roles.by_name().values()]
+        if extra:
+            reasons.append(f"the weight also reads {', '.join(_describe(n) for n in extra)}, "
+                           "not only GPTQ's qweight, qzeros, scales and g_idx")
+            continue
+        index = [roles.g_idx] if roles.g_idx is not None else []
+        why = dequant_probe.private_reason(sub, list(roles.by_name().values()), mm, index_leaves=index)
+        if why is not None:
+            return why
+        groups = _leaf_shape(roles.qzeros)[0]
+        G = K // groups
+        tried = []
+        for v1 in (False, True):
+            why = _prove_gptq(sub, roles, K, N, dtype, v1) or _gptq_constants_reason(sub, roles, K, G, v1)
+            if why is None:
+                perm = not _gptq_in_order(sub, roles, G)
+                per = "per-channel" if groups == 1 else f"group_size={G}"
+                order = ", act-order through perm" if perm else ""
+                detail = f"{per} K={K} N={N} {str(dtype).removeprefix('torch.')}{order} (GPTQ converted once)"
+                gptq = _GPTQ(roles.g_idx, roles.tables, v1, perm)
+                awq_roles = _Roles(roles.qweight, roles.qzeros, roles.scales)
+                return _Fusion(awq_roles, G, "gptq_v1" if v1 else "gptq_v2", detail, gptq)
+            tried.append(why)
+        reasons.append(f"GPTQ: {tried[0]}" if tried[0] == tried[1] else f"GPTQ v2: {tried[0]}; v1: {tried[1]}")
+    return reasons[0]
+
+
 # --------------------------------------------------------------------------- the matmul pattern
 
 
@@ -290,6 +597,7 @@ class _Fusion:
     group_size: int
     form: str
     detail: str
+    gptq: _GPTQ | None = None  # the GPTQ reading: the op reads the GPTQ tensors converted (``gptq_to_awq``)
 
 
 def _gathered_dim(n: Node) -> int | None:
@@ -378,6 +686,21 @@ def _analyze(mm: Node, x: Node, w: Node) -> _Fusion | str | None:
     if N % AWQ_PACK:
         return f"N = {N} is not a multiple of {AWQ_PACK}"
 
+    awq = _analyze_awq(sub, mm, K, N, dtype)
+    if isinstance(awq, _Fusion):
+        return awq
+    gptq = _analyze_gptq(sub, mm, K, N, dtype)
+    if isinstance(gptq, _Fusion):
+        return gptq
+    # The reading whose qweight is among the leaves gives the reason (AWQ's when both or neither are).
+    return str(gptq) if isinstance(awq, _Unassigned) and not isinstance(gptq, _Unassigned) else str(awq)
+
+
+class _Unassigned(str):
+    """Why no leaf is a reading's qweight (the leaves are not that reading's tensors at all)."""
+
+
+def _analyze_awq(sub: Subgraph, mm: Node, K: int, N: int, dtype) -> _Fusion | str:
     options = _assign_roles(sub, K, N, dtype)
     if isinstance(options, str):
         return options
@@ -418,14 +741,36 @@ def _plan(match: Match) -> Plan | None:
                 or b.shape[0] != N or b.dtype != x.dtype):
             raise Reject(f"addmm input is not a [{N}] {x.dtype} bias (or beta/alpha are not 1)")
     group_size, roles = fusion.group_size, fusion.roles
+    inputs = {"x": match.kwargs["x"], "qweight": roles.qweight, "scales": roles.scales, "qzeros": roles.qzeros}
+    if bias is not None:
+        inputs["bias"] = bias
+    if fusion.gptq is not None:
+        return _gptq_plan(fusion, inputs, x.dtype)
 
     def build(x, qweight, scales, qzeros, bias=None):
         return torch.ops.quantfuse.awq_gemm(x, qweight, scales, qzeros, group_size, bias)
 
-    inputs = {"x": match.kwargs["x"], "qweight": roles.qweight, "scales": roles.scales, "qzeros": roles.qzeros}
-    if bias is not None:
-        inputs["bias"] = bias
     return Plan(inputs, build, fusion.detail, x.dtype, form=fusion.form)
+
+
+def _gptq_plan(fusion: _Fusion, inputs: dict, dtype) -> Plan:
+    """``awq_gemm`` of the GPTQ tensors converted by ``gptq_to_awq``: a value derived from them, made once
+    per weight and served from the derived-value cache (a graph constant under ``freezing``, where
+    Inductor folds it).  Its outputs are the cache's tensors, so Inductor must never reuse their memory."""
+    register_cached_output_lowering(GPTQ_TO_AWQ)
+    gptq, group_size = fusion.gptq, fusion.group_size
+    if gptq.g_idx is not None:
+        inputs["g_idx"] = gptq.g_idx
+    tables = [f"shift_table{i}" for i in range(len(gptq.tables))]
+    inputs.update(zip(tables, gptq.tables))
+
+    def build(x, qweight, scales, qzeros, bias=None, g_idx=None, **shift_tables):
+        awq_qweight, awq_qzeros, perm = torch.ops.quantfuse.gptq_to_awq(
+            qweight, qzeros, g_idx, group_size, gptq.v1, [shift_tables[t] for t in tables])
+        return torch.ops.quantfuse.awq_gemm(x, awq_qweight, scales, awq_qzeros, group_size, bias,
+                                            perm if gptq.perm else None)
+
+    return Plan(inputs, build, fusion.detail, dtype, form=fusion.form)
 
 
 def _matmul_patterns():
@@ -436,9 +781,11 @@ def _matmul_patterns():
 # --------------------------------------------------------------------------- bias folding
 
 
-def _awq_call(with_none: bool) -> PatternExpr:
+def _awq_calls():
+    """The op without a bias: its five required arguments, a None bias, or a None bias and a ``perm``."""
     args = [KeywordArg(n) for n in ("x", "qweight", "scales", "qzeros", "group_size")]
-    return CallFunction(torch.ops.quantfuse.awq_gemm.default, *args, *([None] if with_none else []))
+    for tail in ([], [None], [None, KeywordArg("perm")]):
+        yield CallFunction(torch.ops.quantfuse.awq_gemm.default, *args, *tail)
 
 
 def _bias_check(match: Match) -> bool:
@@ -456,14 +803,17 @@ def _make_bias_handler(view: bool):
         shape = list(kw["out_shape"]) if view else []
         nodes = [s for s in shape if isinstance(s, torch.fx.Node)]
 
-        def repl(x, qweight, scales, qzeros, bias, *sym_sizes):
-            y = torch.ops.quantfuse.awq_gemm(x, qweight, scales, qzeros, group_size, bias)
+        perm = [kw["perm"]] if kw.get("perm") is not None else []
+
+        def repl(x, qweight, scales, qzeros, bias, *rest):
+            y = torch.ops.quantfuse.awq_gemm(x, qweight, scales, qzeros, group_size, bias, *rest[:len(perm)])
             if not view:
                 return y
-            sizes = iter(sym_sizes)
+            sizes = iter(rest[len(perm):])
             return y.reshape([next(sizes) if isinstance(s, torch.fx.Node) else s for s in shape])
 
-        match.replace_by_example(repl, [kw["x"], kw["qweight"], kw["scales"], kw["qzeros"], kw["bias"], *nodes])
+        match.replace_by_example(repl, [kw["x"], kw["qweight"], kw["scales"], kw["qzeros"], kw["bias"], *perm,
+                                        *nodes])
 
     return handler
 
@@ -477,5 +827,65 @@ def register(passes: dict) -> None:
         target = passes[slot]
         for pattern in _matmul_patterns():
             register_checked(pattern, target, FAMILY, None, _plan)
-        for pattern, view in bias_add_patterns(_awq_call(with_none) for with_none in (False, True)):
+        for pattern, view in bias_add_patterns(_awq_calls()):
             register_graph_pattern(pattern, extra_check=_bias_check, pass_dict=target)(_make_bias_handler(view))
+
+
+# --------------------------------------------------------------------------- act-order gathers
+
+_GATHER_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+def _last_dim_gather(node) -> tuple[Node, Node] | None:
+    """(source, indices) where ``node`` gathers its source's last dimension by a 1-D int tensor
+    (``x.index_select(-1, perm)``, traced as ``aten.index.Tensor(x, [None, ..., perm])`` or
+    ``aten.index_select``), else None."""
+    if not isinstance(node, Node) or node.op != "call_function":
+        return None
+    if node.target is aten.index.Tensor:
+        src, indices = node.args[0], node.args[1]
+        sv = tensor_val(src)
+        if sv is None or len(indices) != sv.dim() or any(i is not None for i in indices[:-1]):
+            return None
+        perm = indices[-1]
+    elif node.target is aten.index_select.default:
+        src, dim, perm = node.args
+        sv = tensor_val(src)
+        if sv is None or dim not in (-1, sv.dim() - 1):
+            return None
+    else:
+        return None
+    pv = tensor_val(perm)
+    if pv is None or pv.dim() != 1 or pv.dtype not in (torch.int32, torch.int64) or pv.shape[0] != sv.shape[-1]:
+        return None
+    return src, perm
+
+
+def fold_activation_gathers(graph: torch.fx.Graph) -> int:
+    """Each ``quantfuse.awq_gemm`` whose activation is a gather of its input's last dimension (an act-order
+    layer's ``x.index_select(-1, perm)``, directly or under the view that flattens it to ``[M, K]``) reads
+    the input itself with ``perm``: the kernels load the activation through the permutation, so no
+    gather runs before them.  The gather stays where something else reads it.  Returns the ops folded."""
+    folded = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.quantfuse.awq_gemm.default or node.kwargs:
+            continue
+        args = list(node.args) + [None] * (7 - len(node.args))
+        if args[6] is not None:
+            continue
+        x = args[0]
+        view = x if isinstance(x, Node) and x.target in _GATHER_VIEWS else None
+        gather = _last_dim_gather(view.args[0] if view is not None else x)
+        if gather is None:
+            continue
+        src, perm = gather
+        if view is not None:
+            with graph.inserting_before(node):
+                flat = graph.call_function(view.target, (src, *view.args[1:]), dict(view.kwargs))
+            flat.meta = dict(view.meta)  # same shape, dtype and strides: only the order of K differs
+            src = flat
+        node.args = (src, *args[1:6], perm)
+        folded += 1
+    if folded:
+        graph.eliminate_dead_code()
+    return folded

@@ -246,11 +246,13 @@ def collect(root: Node, max_nodes: int = MAX_NODES, leaf: Callable[[Node], bool]
     return Subgraph(root, order, inputs, constants)
 
 
-def private_reason(sub: Subgraph, leaves, consumer: Node) -> str | None:
+def private_reason(sub: Subgraph, leaves, consumer: Node, index_leaves=()) -> str | None:
     """Why the nodes computing the weight from ``leaves`` are not the matmul's own, or None: each is used
     only by the subgraph and ``consumer`` (or a joint graph's backward), and gathers by constant
-    indices only.  A forward user elsewhere would keep the dequantization alive next to the fused op."""
-    lookup = sub.data_dependent_gather(leaves)
+    indices only, or by ``index_leaves`` (leaves that are indices themselves, such as GPTQ's ``g_idx``,
+    which the family's probes vary).  A forward user elsewhere would keep the dequantization alive next
+    to the fused op."""
+    lookup = sub.data_dependent_gather([n for n in leaves if n not in index_leaves])
     if lookup is not None:
         return f"{lookup.name} gathers by indices computed from the weight's inputs (a lookup, not a reorder)"
     inside = set(sub.nodes) | {consumer}

@@ -20,6 +20,7 @@ and no analysis (``dequant_probe``, ``scaled_weight``, ``dequant_matmul``): they
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -211,6 +212,31 @@ def register_checked(pattern: PatternExpr, passes, family: str, form: str | None
         report.record_fused(family, plan.form or form, plan.detail)
 
     register_graph_pattern(pattern, extra_check=extra_check, pass_dict=passes)(handler)
+
+
+@functools.cache
+def register_cached_output_lowering(op) -> None:
+    """Inductor lowers ``op`` (whose outputs are a derived-value cache's tensors: ``concat_weights``,
+    ``gptq_to_awq``) as a fallback kernel whose outputs are never reused.
+
+    Inductor hands the memory of a buffer whose last reader has run to a later buffer of the
+    same size (and lets a kernel write its output in place of a dead input).  The op's outputs
+    are the cache's tensors, read again on every call: writing into them would corrupt the weights
+    of every later call.
+    """
+    from torch._inductor import ir
+    from torch._inductor.lowering import fallback_handler, register_lowering
+    from torch._inductor.virtualized import V
+
+    fallback = fallback_handler(op)
+
+    @register_lowering(op, type_promotion_kind=None)
+    def _never_reused(*args, **kwargs):
+        result = fallback(*args, **kwargs)
+        for leaf in torch.utils._pytree.tree_leaves(result):
+            if isinstance(leaf, ir.IRNode):
+                V.graph.never_reuse_buffers.add(leaf.get_name())
+        return result
 
 
 # --------------------------------------------------------------------------- W8A8 scale and bias checks

@@ -50,7 +50,6 @@ nodes only (a joint graph's backward stays as traced).
 
 from __future__ import annotations
 
-import functools
 import logging
 import operator
 from collections import defaultdict
@@ -62,7 +61,7 @@ from torch.fx import Graph, Node
 import compile_backend.ops  # noqa: F401  (torch.ops.quantfuse.*)
 
 from . import report
-from .fx_helpers import VIEWS, is_backward, val
+from .fx_helpers import VIEWS, is_backward, register_cached_output_lowering, val
 
 log = logging.getLogger("quantfuse")
 
@@ -94,7 +93,7 @@ MERGEABLE: dict = {
     **_family("scaled_mm_azp", ("a", "shared"), ("b", "rows_t"), ("scale_a", "shared"), ("scale_b", "vector"),
               ("out_dtype", "same"), ("azp_adj", "colsum"), ("azp", "shared"), ("bias", "vector")),
     **_family("awq_gemm", ("x", "shared"), ("qweight", "cols"), ("scales", "cols"), ("qzeros", "cols"),
-              ("group_size", "same"), ("bias", "vector")),
+              ("group_size", "same"), ("bias", "vector"), ("perm", "shared")),
     **_family("w8a16_gemm", ("x", "shared"), ("w_q", "rows"), ("w_scale", "vector"), ("bias", "vector")),
 }
 
@@ -367,26 +366,7 @@ def _check_parts(operands, members: list[Member]) -> None:
 # --------------------------------------------------------------------------- Inductor lowering
 
 
-@functools.cache
 def register_lowering() -> None:
-    """Inductor lowers ``concat_weights`` as a fallback kernel whose output is never reused.
-
-    Inductor hands the memory of a buffer whose last reader has run to a later buffer of the
-    same size (and lets a kernel write its output in place of a dead input).  The op's output
-    is the cache's tensor, read again on every call: writing into it would corrupt the weights
-    of every later call.
-    """
-    from torch._inductor import ir
-    from torch._inductor.lowering import fallback_handler
-    from torch._inductor.lowering import register_lowering as _register
-    from torch._inductor.virtualized import V
-
-    fallback = fallback_handler(CONCAT)
-
-    @_register(CONCAT, type_promotion_kind=None)
-    def _concat_weights(*args, **kwargs):
-        result = fallback(*args, **kwargs)
-        for leaf in torch.utils._pytree.tree_leaves(result):
-            if isinstance(leaf, ir.IRNode):
-                V.graph.never_reuse_buffers.add(leaf.get_name())
-        return result
+    """Inductor lowers ``concat_weights`` as a fallback kernel whose output is never reused
+    (``fx_helpers.register_cached_output_lowering``: the output is the cache's tensor)."""
+    register_cached_output_lowering(CONCAT)

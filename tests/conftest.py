@@ -114,10 +114,10 @@ def w8a8_kernel_reason(a, b, sa, sb, out_dtype, bias=None, azp_adj=None, azp=Non
     return torch.ops.quantfuse._scaled_mm_kernel_reason(a, b, sa, sb, out_dtype, bias, azp_adj, azp)
 
 
-def awq_kernel_reason(x, qweight, scales, qzeros, group_size, bias=None) -> str:
+def awq_kernel_reason(x, qweight, scales, qzeros, group_size, bias=None, perm=None) -> str:
     """Why the C++ dispatch of awq_gemm runs the reference for these operands; "" when a kernel
     takes them."""
-    return torch.ops.quantfuse._awq_gemm_kernel_reason(x, qweight, scales, qzeros, group_size, bias)
+    return torch.ops.quantfuse._awq_gemm_kernel_reason(x, qweight, scales, qzeros, group_size, bias, perm)
 
 
 def ran_quantfuse_kernel(names) -> bool:

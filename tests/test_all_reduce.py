@@ -35,8 +35,11 @@ def test_fits_decode_sizes_only():
             assert all_reduce.fits(x) and all_reduce.fits(x.float())
             assert not all_reduce.fits(big)  # 64 MB: NCCL
             assert not all_reduce.fits(odd)  # 6 bytes: the kernels move 16-byte vectors
-            for dtype in (torch.float16, torch.int32):  # torch's kernels do not take them
-                assert not all_reduce.fits(x.to(dtype))
+            assert not all_reduce.fits(x.to(torch.int32))
+            half = x.to(torch.float16)  # our one-shot kernel, where it is loaded, up to one-shot sizes
+            assert all_reduce.fits(half) == all_reduce._HALF_KERNEL
+            assert not all_reduce.fits(torch.empty(all_reduce.ONE_SHOT_MAX_BYTES // 2 + 8, dtype=torch.float16,
+                                                   device="cuda"))
     assert not all_reduce.fits(torch.ones(1, 8192, dtype=torch.float16))  # CPU
 
 
@@ -93,8 +96,11 @@ def _nccl_worker(rank: int, world: int, port: int, out: str) -> None:
         group = dist.group.WORLD
         res["enabled"] = all_reduce.enable(group, dev)
         name = group.group_name
+        res["half_kernel"] = all_reduce._HALF_KERNEL
         for dtype in all_reduce.DTYPES:
             for nbytes in SIZES:
+                if dtype == torch.float16 and nbytes > all_reduce.ONE_SHOT_MAX_BYTES:
+                    continue  # float16: one-shot only (past it, NCCL)
                 n = nbytes // torch.empty((), dtype=dtype).element_size()
                 gen = torch.Generator().manual_seed(rank * 100 + n)
                 x = torch.randint(-64, 64, (n,), generator=gen).to(dev, dtype)  # integer sums: exact in any order
@@ -116,20 +122,21 @@ def _nccl_worker(rank: int, world: int, port: int, out: str) -> None:
             w = all_reduce.symm_all_reduce(z + 1, name)
             return y, z, w
 
-        torch._dynamo.reset()
-        compiled = torch.compile(layer_chain, mode="reduce-overhead", fullgraph=True)
-        for step, tokens in enumerate((1, 1, 1, 8, 8, 8)):  # warm-up, capture, replays; two shapes
-            x = torch.randint(-8, 8, (tokens, 4096), generator=torch.Generator().manual_seed(rank + 10 * step))
-            x = x.to(dev, torch.bfloat16)
-            got = [t.clone() for t in compiled(x)]
-            want = [layer_chain(x)[0]]
-            z = x * 3
-            dist.all_reduce(z, group=group)
-            w = z + 1
-            dist.all_reduce(w, group=group)
-            want += [z, w]
-            if not all(torch.equal(g, w_) for g, w_ in zip(got, want)):
-                res["mismatch"].append(("graph", tokens, step))
+        for gdtype in (torch.bfloat16, torch.float16):  # torch's one-shot kernel, and ours
+            torch._dynamo.reset()
+            compiled = torch.compile(layer_chain, mode="reduce-overhead", fullgraph=True)
+            for step, tokens in enumerate((1, 1, 1, 8, 8, 8)):  # warm-up, capture, replays; two shapes
+                gen = torch.Generator().manual_seed(rank + 10 * step)
+                x = torch.randint(-8, 8, (tokens, 4096), generator=gen).to(dev, gdtype)
+                got = [t.clone() for t in compiled(x)]
+                want = [layer_chain(x)[0]]
+                z = x * 3
+                dist.all_reduce(z, group=group)
+                w = z + 1
+                dist.all_reduce(w, group=group)
+                want += [z, w]
+                if not all(torch.equal(g, w_) for g, w_ in zip(got, want)):
+                    res["mismatch"].append(("graph", str(gdtype), tokens, step))
         res["graph_ops"] = sorted(str(n.target) for n in dynamo_graph(layer_chain, x, fullgraph=True).graph.nodes
                                   if n.op == "call_function" and "all_reduce" in str(n.target))
     finally:
@@ -147,7 +154,7 @@ def test_symm_all_reduce_equals_nccl(world, tmp_path):
     mp.spawn(_nccl_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
     for rank in range(world):
         res = torch.load(tmp_path / f"{rank}.pt")
-        assert res["enabled"], rank
+        assert res["enabled"] and res["half_kernel"], rank
         assert not res["mismatch"], (rank, res["mismatch"])
         assert not res["past_buffer_fits"], rank
         # both symmetric-memory calls and the NCCL one are in the traced graph

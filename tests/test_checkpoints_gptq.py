@@ -362,7 +362,7 @@ def test_act_order_layer_state_dict_round_trip(tmp_path):
     folder, layers = write_gptq(str(tmp_path / "sd"), desc_act=True, bias=True)
     mod = from_pretrained(folder).model.layers[0].mlp.down_proj
     sd = mod.state_dict()
-    assert list(sd) == ["qweight", "qzeros", "scales", "bias", "perm"] and sd["perm"].dtype == torch.int64
+    assert list(sd) == ["qweight", "qzeros", "scales", "bias", "perm"] and sd["perm"].dtype == torch.int32
     x = torch.randn(2, 5, 256, generator=torch.Generator().manual_seed(3)).to(torch.float16)
     with torch.no_grad():
         want = mod(x)
@@ -374,7 +374,7 @@ def test_act_order_layer_state_dict_round_trip(tmp_path):
             assert torch.equal(other(x), want)
         # dtype conversions keep the order (and its dtype), as they keep qweight's
         for converted in (again.float(), again.type(torch.float32), again.bfloat16()):
-            assert converted.perm.dtype == torch.int64 and torch.equal(converted.perm, mod.perm)
+            assert converted.perm.dtype == torch.int32 and torch.equal(converted.perm, mod.perm)
     assert "act_order=True" in repr(mod)
     with pytest.raises(ValueError, match=r"'perm'.*permutation"):
         AWQLinear.from_state_dict({**sd, "perm": torch.zeros(256, dtype=torch.int64)})

@@ -383,3 +383,52 @@ def test_dequantize_fragment_layout(group):
     qw, s, qz, G, q, z = make_awq(256, 384, group, torch.bfloat16, gen)
     want = torch.ops.quantfuse.awq_dequantize(qw, s, qz, G)
     assert torch.equal(torch.ops.quantfuse.awq_dequantize(repacked(qw), s, qz, G), want)
+
+
+# --------------------------------------------------------------------------- act-order (perm)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("M", (1, 8, 16, 17, 32, 33, 64, 65, 256))
+def test_act_order_reads_x_through_perm(M, dtype):
+    """``awq_gemm(x, ..., perm)`` gives ``awq_gemm(x[:, perm], ...)`` bit for bit in every M bucket, in
+    both weight layouts, with and without bias, and the streaming kernel's output within its bound of
+    the float64 product (the prefill kernels' bounds are test_cuda_awq_gemm_sm90.py's)."""
+    gen = torch.Generator(device=DEV).manual_seed(77 + M)
+    N, K = 1024, 2048
+    qw, s, qz, G, q, z = make_awq(K, N, 128, dtype, gen)
+    x = make_x(M, K, dtype, gen)
+    perm = torch.randperm(K, generator=gen, device=DEV).to(torch.int32)
+    for b in (None, (torch.randn(N, generator=gen, device=DEV) * 10).to(dtype)):
+        want = torch.ops.quantfuse.awq_gemm(x.index_select(1, perm), qw, s, qz, G, b)
+        for w in (qw, repacked(qw)):
+            poison(M * N, dtype)
+            got = torch.ops.quantfuse.awq_gemm(x, w, s, qz, G, b, perm)
+            torch.cuda.synchronize()
+            assert torch.equal(got, want), f"M={M} {dtype} layout {tuple(w.shape)} bias={b is not None}"
+    if M <= AWQ_DECODE_MAX_M:
+        ref, mag = reference64(x.index_select(1, perm), q, z, s, G, b, exact=op_exact(M, N))
+        check_close(got, ref, mag, dtype, f"act-order M={M} {dtype}")
+
+
+def test_act_order_kernel_op_and_graph():
+    """The op with ``perm`` equal to the kernel on the gathered activations, under a CUDA graph too, and an
+    int64 order (not the kernels') running the reference with its reason."""
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    N, K = 512, 1024
+    qw, s, qz, G, q, z = make_awq(K, N, 64, torch.float16, gen)
+    packed = repacked(qw)
+    perm = torch.randperm(K, generator=gen, device=DEV).to(torch.int32)
+    x = make_x(1, K, torch.float16, gen)
+    want = torch.ops.quantfuse._awq_gemm_cuda(x.index_select(1, perm), packed, s, qz, G, None)
+    assert torch.equal(torch.ops.quantfuse.awq_gemm(x, packed, s, qz, G, None, perm), want)
+    graph = torch.cuda.CUDAGraph()
+    torch.ops.quantfuse.awq_gemm(x, packed, s, qz, G, None, perm)
+    with torch.cuda.graph(graph):
+        out = torch.ops.quantfuse.awq_gemm(x, packed, s, qz, G, None, perm)
+    x2 = make_x(1, K, torch.float16, gen)
+    x.copy_(x2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, torch.ops.quantfuse.awq_gemm(x2.index_select(1, perm), packed, s, qz, G, None))
+    assert "perm is not int32" in awq_kernel_reason(x, packed, s, qz, G, None, perm.long())

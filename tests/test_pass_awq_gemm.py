@@ -301,6 +301,83 @@ def test_two_layers_and_a_residual_add():
     assert_output_close(t.output, t.expected)
 
 
+# --------------------------------------------------------------------------- act-order: the gather folded in
+
+
+def act_order(layer: AWQLinear, seed: int = 5, perm: torch.Tensor | None = None) -> AWQLinear:
+    """``layer`` as a GPTQ act-order checkpoint loads it: its rows in a random input-channel order."""
+    state = {k: v for k, v in layer.state_dict().items() if v is not None}
+    perm = torch.randperm(layer.in_features, generator=torch.Generator().manual_seed(seed)) if perm is None else perm
+    return AWQLinear.from_state_dict({**state, "perm": perm}, group_size=layer.group_size)
+
+
+def _gathers(t: Traced) -> int:
+    return t.count(aten.index.Tensor, aten.index_select.default)
+
+
+@pytest.mark.parametrize(("dim", "bias", "dynamic"), [(2, False, False), (3, True, False), (3, True, True)])
+def test_act_order_gather_folded_into_the_op(dim, bias, dynamic):
+    """An act-order layer's ``x.index_select(-1, perm)`` becomes the op's ``perm``: no gather is left."""
+    layer = act_order(awq_params(64, torch.float16, bias=bias))
+    t = trace(layer, activations(dim, torch.float16), dynamic=dynamic)
+    ops = [n for n in t.after.graph.nodes if n.target == AWQ_GEMM]
+    assert len(ops) == 1 and len(ops[0].args) == 7 and ops[0].args[6].op == "placeholder", graph_str(t.after)
+    assert _gathers(t) == 0, graph_str(t.after)
+    assert_output_close(t.output, t.expected)
+
+
+def test_act_order_shared_gather_merged_once():
+    """q/k/v-style layers with one shared order: merged into one op with that ``perm``."""
+    layers = [awq_params(64, torch.float16, bias=False, seed=s) for s in (1, 2, 3)]
+    perm = torch.randperm(K, generator=torch.Generator().manual_seed(9))
+    a, b, c = (act_order(m, perm=perm) for m in layers)
+    b.perm, c.perm = a.perm, a.perm  # one tensor, as checkpoints/gptq.py gives them
+
+    def qkv(x):
+        return a(x), b(x), c(x)
+
+    r = apply_passes(qkv, activations(3, torch.float16))
+    ops = [n for n in r.after.graph.nodes if n.target == AWQ_GEMM]
+    assert len(ops) == 1 and len(ops[0].args) == 7 and ops[0].args[6] is not None, graph_str(r.after)
+    assert count_calls(r.after, aten.index.Tensor, aten.index_select.default) == 0, graph_str(r.after)
+    for out, want in zip(r.output, r.expected):
+        assert_output_close(out, want)
+
+
+def test_gather_of_another_dimension_stays():
+    """A gather that is not of K (here of the tokens) is not the op's ``perm``: it stays before the op."""
+    layer = awq_params(64, torch.float16, bias=False)
+    rows = torch.tensor([2, 0, 1])
+
+    def gathered(x):
+        return layer(x.index_select(1, rows))
+
+    t = trace(gathered, activations(3, torch.float16))
+    ops = [n for n in t.after.graph.nodes if n.target == AWQ_GEMM]
+    assert len(ops) == 1 and (len(ops[0].args) < 7 or ops[0].args[6] is None) and _gathers(t) == 1
+    assert_output_close(t.output, t.expected)
+
+
+def test_act_order_op_is_the_gathered_op():
+    """``awq_gemm(x, ..., perm)`` is ``awq_gemm(x[:, perm], ...)`` exactly, and so are its gradients (to x,
+    scattered back by the order, and to the scales)."""
+    layer = act_order(awq_params(64, torch.float16, bias=True))
+    x = activations(2, torch.float16).requires_grad_()
+    x2 = x.detach().clone().requires_grad_()
+    scales = layer.scales.detach().clone().requires_grad_()
+    scales2 = scales.detach().clone().requires_grad_()
+    args = (layer.qweight, layer.qzeros, layer.group_size)
+    y = torch.ops.quantfuse.awq_gemm(x, args[0], scales, args[1], args[2], layer.bias, layer.perm)
+    y2 = torch.ops.quantfuse.awq_gemm(x2.index_select(1, layer.perm), args[0], scales2, args[1], args[2], layer.bias)
+    assert torch.equal(y, y2)
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(4)).to(y.dtype)
+    y.backward(g)
+    y2.backward(g)
+    assert torch.equal(x.grad, x2.grad) and torch.equal(scales.grad, scales2.grad)
+    with pytest.raises(ValueError, match="argument 'perm'.*permutation of range"):
+        torch.ops.quantfuse.awq_gemm(x, args[0], scales, args[1], args[2], None, layer.perm[:-1])
+
+
 # --------------------------------------------------------------------------- near misses stay as they are
 
 

@@ -28,7 +28,8 @@ int_weight[row * pack_factor + j] << (bits * j)``; ``qzeros[:, col] |= zeros[:, 
 ``-=``, which writes v1 checkpoints).  transformers' ``GPTQConfig`` for the config keys.
 
 Loading repacks each layer once into ``AWQLinear``'s layout (``qweight [K, N/8]`` and ``qzeros
-[K/G, N/8]`` in AWQ bit order, ``scales [K/G, N]``) and keeps nothing else.  Act-order (``desc_act``:
+[K/G, N/8]`` in AWQ bit order, ``scales [K/G, N]``) and keeps nothing else.  The conversion is
+``ops.awq_gemm.awq_state``, the one ``prepare`` and the AWQ pass's GPTQ reading use as well.  Act-order (``desc_act``:
 ``g_idx`` not ``k // G``, so a group's channels are scattered over K): the weight's rows are sorted by
 group (stably) so that groups are contiguous, and the layer holds the order as ``perm``; its forward
 gathers the activation to match (``AWQLinear``'s class doc).  Any ``g_idx`` that puts ``G`` channels in
@@ -59,24 +60,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..ops.awq_gemm import awq_state, v1_to_v2_zeros
 from ..quantize.modules import AWQLinear, W8A16Linear, set_tensors
-from ..quantize.weights import awq_pack
 from .common import LayerPlan, UnsupportedCheckpointError, check_layer_tensors, check_tensor, half_scales, unsupported
-from .pack_quantized import unpack_rows
 
 LAYER_TENSORS = {"qweight", "qzeros", "scales", "g_idx", "bias"}
 HALF = (torch.float16, torch.bfloat16)
 FORMATS = ("gptq", "gptq_v2")
-# One per packed value of a zero-point word, by bit width (v1 = v2 - this, word-wise).
-V1_ZERO_OFFSET = {4: 0x11111111, 8: 0x01010101}
 INT8_ZERO = 128  # the zero point of symmetric 8-bit GPTQ (v2; v1 stores 127)
 BYTE_SHIFTS = (0, 8, 16, 24)
-
-
-def v1_to_v2_zeros(qzeros: torch.Tensor, bits: int = 4) -> torch.Tensor:
-    """v1 zero-point words -> v2 ones: ``+ 0x11111111`` (8-bit: ``+ 0x01010101``) on the unsigned 32-bit
-    word, as GPTQModel does (``[R, C]`` int32 -> int64 holding the unsigned words)."""
-    return (qzeros.to(torch.int64) + V1_ZERO_OFFSET[bits]) & 0xFFFFFFFF
 
 
 def unpack_bytes(packed: torch.Tensor) -> torch.Tensor:
@@ -84,41 +76,6 @@ def unpack_bytes(packed: torch.Tensor) -> torch.Tensor:
     word in bits 8i .. 8i+7."""
     shifts = torch.tensor(BYTE_SHIFTS, dtype=packed.dtype, device=packed.device)
     return ((packed.unsqueeze(-1) >> shifts) & 0xFF).reshape(packed.shape[0], -1)
-
-
-def regroup(g_idx: torch.Tensor, group: int) -> torch.Tensor | None:
-    """The order of input channels that makes groups contiguous (``g_idx`` sorted, stably), or None
-    when they already are (``g_idx[k] == k // group``).  ``ValueError`` when some group does not
-    hold exactly ``group`` channels (no contiguous layout serves that)."""
-    K = g_idx.shape[0]
-    in_order = torch.arange(K, device=g_idx.device) // group
-    g = g_idx.to(torch.int64)
-    if torch.equal(g, in_order):
-        return None
-    counts = torch.bincount(g, minlength=K // group)
-    if counts.shape[0] != K // group or not bool((counts == group).all()):
-        bad = int((counts != group).nonzero()[0, 0])
-        raise ValueError(f"puts {int(counts[bad])} input channels in group {bad}; every group must hold "
-                         f"group_size = {group} of them")
-    return torch.sort(g, stable=True).indices
-
-
-def awq_state(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
-              group: int, v1: bool) -> dict:
-    """A 4-bit GPTQ layer's tensors (module doc) as ``AWQLinear.from_state_dict`` takes them: ``qweight`` and
-    ``qzeros`` in the AWQ layout, ``scales``, and ``perm`` (None without act-order).  ``ValueError`` for a
-    ``g_idx`` with group indices out of range or groups of another size."""
-    K = qweight.shape[0] * 8
-    q = unpack_rows(qweight.t().contiguous()).t()  # [K, N]: row 8r + j from bits 4j of qweight[r]
-    z = unpack_rows(v1_to_v2_zeros(qzeros, 4) if v1 else qzeros)  # [K/G, N]
-    perm = None
-    if g_idx is not None:
-        if g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= K // group):
-            raise ValueError(f"holds group indices outside [0, {K // group})")
-        perm = regroup(g_idx, group)
-    if perm is not None:
-        q = q.index_select(0, perm)
-    return {"qweight": awq_pack(q), "qzeros": awq_pack(z), "scales": scales.contiguous(), "perm": perm}
 
 
 class GPTQFormat:

@@ -17,14 +17,24 @@ kernel that dequantizes in registers makes) and multiplies in float32.
 
 Autograd: dX = dY Wᵀ;  dbias = Σ_m dY;  d scales[g, n] = Σ_{k in g} (Xᵀ dY)[k, n] · (q − z)[k, n];
 for ``awq_dequantize``, d scales[g, n] = Σ_{k in g} dW[k, n] · (q − z)[k, n].
+
+GPTQ's 4-bit layout is AWQ's arithmetic packed another way: ``qweight [K/8, N]`` (row ``8r + j`` in bits
+``4j`` of word ``r``), ``qzeros [K/G, N/8]`` (column ``8c + j`` in bits ``4j``), ``scales [K/G, N]`` and
+``g_idx [K]`` (each input channel's group), ``W[k, n] = (q[k, n] − z[g_idx[k], n]) · s[g_idx[k], n]``.
+``awq_state`` is the one conversion into the operands above (``checkpoints/gptq.py`` loads with it,
+``prepare`` replaces layers with it); ``quantfuse::gptq_to_awq`` is that conversion as a value derived
+from the GPTQ tensors, made once per weight (the AWQ pass puts it in front of ``awq_gemm`` for a GPTQ
+dequantization written in torch ops); ``gptq_dequantize_reference`` is what such a dequantization must
+compute.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..derived.tensor_cache import TensorCache
 from . import gradients
-from .library import check_devices, define_op, fail
+from .library import check_devices, define_op, fail, lib
 
 AWQ_ACT_DTYPES = (torch.float16, torch.bfloat16)
 AWQ_PACK = 8  # int4 values per int32
@@ -33,7 +43,8 @@ AWQ_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 AWQ_SHIFTS = tuple(4 * o for o in AWQ_ORDER)
 AWQ_STRIP_N = 64  # columns of N per strip of the fragment layout
 
-SCHEMA = "awq_gemm(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, int group_size, Tensor? bias=None) -> Tensor"
+SCHEMA = ("awq_gemm(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, int group_size, Tensor? bias=None, "
+          "Tensor? perm=None) -> Tensor")
 DEQUANTIZE_SCHEMA = "awq_dequantize(Tensor qweight, Tensor scales, Tensor qzeros, int group_size) -> Tensor"
 
 
@@ -48,9 +59,9 @@ def awq_shape(qweight: torch.Tensor) -> tuple[int, int] | None:
     return None
 
 
-def check_awq(op, qweight, scales, qzeros, group_size, x=None, bias=None):
+def check_awq(op, qweight, scales, qzeros, group_size, x=None, bias=None, perm=None):
     first = "qweight" if x is None else "x"
-    check_devices(op, first, dict(x=x, qweight=qweight, scales=scales, qzeros=qzeros, bias=bias))
+    check_devices(op, first, dict(x=x, qweight=qweight, scales=scales, qzeros=qzeros, bias=bias, perm=perm))
     shape = awq_shape(qweight)
     if shape is None:
         fail(op, "qweight", qweight, "int32 [K, N/8] (AWQ layout) or [N/64, K/16, 32, 4] (fragment layout)")
@@ -74,6 +85,8 @@ def check_awq(op, qweight, scales, qzeros, group_size, x=None, bias=None):
             fail(op, "x", x, f"a 2-D tensor [M, K] with K = {K} from 'qweight'")
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != N or bias.dtype != scales.dtype):
         fail(op, "bias", bias, f"a 1-D {scales.dtype} tensor of N = {N} elements")
+    if perm is not None and (perm.dim() != 1 or perm.shape[0] != K or perm.dtype not in (torch.int32, torch.int64)):
+        fail(op, "perm", perm, f"a 1-D int32 or int64 permutation of range(K), K = {K} from 'qweight'")
     return K, N
 
 
@@ -202,10 +215,12 @@ def awq_dequantize_reference(qweight, scales, qzeros, group_size):
     return _awq_weight(qweight, scales, qzeros, group_size)
 
 
-def awq_gemm_reference(x, qweight, scales, qzeros, group_size, bias=None):
-    _, N = check_awq("awq_gemm", qweight, scales, qzeros, group_size, x, bias)
+def awq_gemm_reference(x, qweight, scales, qzeros, group_size, bias=None, perm=None):
+    _, N = check_awq("awq_gemm", qweight, scales, qzeros, group_size, x, bias, perm)
     if x.shape[0] == 0:
         return x.new_empty((0, N))
+    if perm is not None:  # act-order: row j of the weight is input channel perm[j]
+        x = x.index_select(1, perm)
     w = _awq_weight(qweight, scales, qzeros, group_size)
     out = torch.matmul(x.to(torch.float32), w.to(torch.float32))
     if bias is not None:
@@ -213,8 +228,8 @@ def awq_gemm_reference(x, qweight, scales, qzeros, group_size, bias=None):
     return out.to(x.dtype)
 
 
-def _awq_gemm_fake(x, qweight, scales, qzeros, group_size, bias=None):
-    _, N = check_awq("awq_gemm", qweight, scales, qzeros, group_size, x, bias)
+def _awq_gemm_fake(x, qweight, scales, qzeros, group_size, bias=None, perm=None):
+    _, N = check_awq("awq_gemm", qweight, scales, qzeros, group_size, x, bias, perm)
     return x.new_empty((x.shape[0], N))
 
 
@@ -240,22 +255,26 @@ def _scales_grad(grad_w: torch.Tensor, qweight, scales, qzeros, group_size) -> t
 
 
 def _gemm_setup(ctx, inputs, output):
-    x, qweight, scales, qzeros, group_size, bias = inputs
-    ctx.save_for_backward(x, qweight, scales, qzeros)
+    x, qweight, scales, qzeros, group_size, *rest = inputs
+    bias, perm = (*rest, None, None)[:2]
+    ctx.save_for_backward(x, qweight, scales, qzeros, perm)
     ctx.group_size = group_size
     ctx.bias_dtype = None if bias is None else bias.dtype
 
 
 def _gemm_backward(ctx, grad):
-    x, qweight, scales, qzeros = ctx.saved_tensors
+    x, qweight, scales, qzeros, perm = ctx.saved_tensors
     g = grad.to(F32)
     d_x = d_scales = None
     if gradients.needs(ctx, 0):
         w = torch.ops.quantfuse.awq_dequantize(qweight, scales, qzeros, ctx.group_size)
-        d_x = (g @ w.to(F32).t()).to(x.dtype)
+        d_x = (g @ w.to(F32).t()).to(x.dtype)  # by the weight's rows: input channel perm[j] at j
+        if perm is not None:
+            d_x = d_x.new_empty(d_x.shape).index_copy_(1, perm.long(), d_x)
     if gradients.needs(ctx, 2):
-        d_scales = _scales_grad(x.to(F32).t() @ g, qweight, scales, qzeros, ctx.group_size)
-    return d_x, None, d_scales, None, None, gradients.bias_grad(ctx, grad, 5, ctx.bias_dtype)
+        xs = x if perm is None else x.index_select(1, perm)
+        d_scales = _scales_grad(xs.to(F32).t() @ g, qweight, scales, qzeros, ctx.group_size)
+    return d_x, None, d_scales, None, None, gradients.bias_grad(ctx, grad, 5, ctx.bias_dtype), None
 
 
 def _dequantize_setup(ctx, inputs, output):
@@ -275,3 +294,161 @@ def _dequantize_backward(ctx, grad):
 awq_gemm = define_op(SCHEMA, awq_gemm_reference, _awq_gemm_fake, autograd=(_gemm_backward, _gemm_setup))
 awq_dequantize = define_op(DEQUANTIZE_SCHEMA, awq_dequantize_reference, _awq_dequantize_fake,
                            autograd=(_dequantize_backward, _dequantize_setup))
+
+
+# --------------------------------------------------------------------------- GPTQ -> AWQ
+
+# Row 8r + j of a GPTQ ``qweight`` (column 8c + j of its ``qzeros``) sits at bits 4j: lowest nibble first.
+GPTQ_SHIFTS = tuple(4 * j for j in range(AWQ_PACK))
+# One per packed value of a zero-point word, by bit width: a v1 word is the v2 word minus this, word-wise.
+V1_ZERO_OFFSET = {4: 0x11111111, 8: 0x01010101}
+_V1_MAX_STORED_ZERO = 14  # a v1 zero point of 0 would be stored as 15 with a borrow from its neighbour
+
+
+def v1_to_v2_zeros(qzeros: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """v1 zero-point words -> v2 ones: ``+ 0x11111111`` (8-bit: ``+ 0x01010101``) on the unsigned 32-bit
+    word, as GPTQModel's ``convert_gptq_v1_to_v2_format_module`` does (``[R, C]`` int32 -> int64 holding
+    the unsigned words)."""
+    return (qzeros.to(torch.int64) + V1_ZERO_OFFSET[bits]) & 0xFFFFFFFF
+
+
+def gptq_unpack(packed: torch.Tensor) -> torch.Tensor:
+    """``[R, C]`` int32 (or int64 holding unsigned words) -> ``[R, 8C]`` int32 nibbles, element ``8c + j``
+    from bits ``4j`` of word ``c`` (GPTQ's order along a word; ``gptq_unpack(qweight.t()).t()`` unpacks
+    along K)."""
+    shifts = torch.tensor(GPTQ_SHIFTS, dtype=packed.dtype, device=packed.device)
+    return ((packed.unsqueeze(-1) >> shifts) & 0xF).reshape(packed.shape[0], -1).to(torch.int32)
+
+
+def regroup(g_idx: torch.Tensor, group: int) -> torch.Tensor | None:
+    """The order of input channels that makes groups contiguous (``g_idx`` sorted, stably), or None
+    when they already are (``g_idx[k] == k // group``).  ``ValueError`` when some group does not
+    hold exactly ``group`` channels (no contiguous layout serves that)."""
+    K = g_idx.shape[0]
+    in_order = torch.arange(K, device=g_idx.device) // group
+    g = g_idx.to(torch.int64)
+    if torch.equal(g, in_order):
+        return None
+    counts = torch.bincount(g, minlength=K // group)
+    if counts.shape[0] != K // group or not bool((counts == group).all()):
+        bad = int((counts != group).nonzero()[0, 0])
+        raise ValueError(f"puts {int(counts[bad])} input channels in group {bad}; every group must hold "
+                         f"group_size = {group} of them")
+    return torch.sort(g, stable=True).indices
+
+
+def awq_state(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
+              group: int, v1: bool) -> dict:
+    """A 4-bit GPTQ layer's tensors (module doc) as ``AWQLinear.from_state_dict`` takes them: ``qweight`` and
+    ``qzeros`` in the AWQ layout, ``scales``, and ``perm`` (None without act-order: rows sorted by group,
+    ``regroup``).  v1 zero points are given back their ``0x11111111`` first (``v1_to_v2_zeros``).
+    ``ValueError`` for a ``g_idx`` with group indices out of range or groups of another size."""
+    K = qweight.shape[0] * AWQ_PACK
+    q = gptq_unpack(qweight.t().contiguous()).t()  # [K, N]: row 8r + j from bits 4j of qweight[r]
+    z = gptq_unpack(v1_to_v2_zeros(qzeros, 4) if v1 else qzeros)  # [K/G, N]
+    perm = None
+    if g_idx is not None:
+        if g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= K // group):
+            raise ValueError(f"holds group indices outside [0, {K // group})")
+        perm = regroup(g_idx, group)
+    if perm is not None:
+        q = q.index_select(0, perm)
+    return {"qweight": awq_pack_unchecked(q), "qzeros": awq_pack_unchecked(z), "scales": scales.contiguous(),
+            "perm": perm}
+
+
+def gptq_dequantize_reference(qweight, qzeros, scales, g_idx=None, v1=False):
+    """``W [K, N]`` of GPTQ tensors: ``(q[k, n] − z[g, n]) · s[g, n]`` with ``g = g_idx[k]`` (``k // G``
+    without one), rounded once to the scales' dtype as ``awq_dequantize`` rounds.  ``v1``: each zero point
+    is its stored nibble plus one (what a torch dequantization of a v1 layer computes after unpacking)."""
+    K = qweight.shape[0] * AWQ_PACK
+    q = gptq_unpack(qweight.t().contiguous()).t()
+    z = gptq_unpack(qzeros) + (1 if v1 else 0)
+    g = torch.arange(K, device=qweight.device) // (K // scales.shape[0]) if g_idx is None else g_idx.long()
+    return (q - z[g]).to(scales.dtype) * scales[g]
+
+
+GPTQ_TO_AWQ_SCHEMA = ("gptq_to_awq(Tensor qweight, Tensor qzeros, Tensor? g_idx, int group_size, bool v1, "
+                      "Tensor[] shift_tables) -> (Tensor, Tensor, Tensor)")
+
+
+def check_gptq(op, qweight, qzeros, g_idx, group_size, shift_tables=()):
+    """(K, N) of GPTQ tensors, checked (module doc); ``shift_tables``: int tensors of 8 elements."""
+    check_devices(op, "qweight", dict(qweight=qweight, qzeros=qzeros, g_idx=g_idx,
+                                      **{f"shift_tables[{i}]": t for i, t in enumerate(shift_tables)}))
+    if qweight.dtype != torch.int32 or qweight.dim() != 2:
+        fail(op, "qweight", qweight, "int32 [K/8, N] (GPTQ layout, packed along K)")
+    K, N = qweight.shape[0] * AWQ_PACK, qweight.shape[1]
+    if N % AWQ_PACK:
+        fail(op, "qweight", qweight, f"N (its last dimension) a multiple of {AWQ_PACK}")
+    if not isinstance(group_size, int) or group_size <= 0 or K % group_size != 0:
+        fail(op, "group_size", group_size, f"a positive divisor of K = {K}")
+    if qzeros.dtype != torch.int32 or tuple(qzeros.shape) != (K // group_size, N // AWQ_PACK):
+        fail(op, "qzeros", qzeros, f"int32 of shape ({K // group_size}, {N // AWQ_PACK}) = (K/group_size, N/8)")
+    if g_idx is not None and (g_idx.dim() != 1 or g_idx.shape[0] != K or g_idx.dtype not in (torch.int32, torch.int64)):
+        fail(op, "g_idx", g_idx, f"a 1-D int32 or int64 tensor of K = {K} group indices")
+    for i, t in enumerate(shift_tables):
+        if t.dtype not in (torch.int32, torch.int64) or t.numel() != AWQ_PACK:
+            fail(op, f"shift_tables[{i}]", t, f"an int32 or int64 tensor of {AWQ_PACK} shifts")
+    return K, N
+
+
+def _check_gptq_values(qzeros, g_idx, group_size, v1, shift_tables):
+    """The value rules of ``gptq_to_awq`` (its schema's doc), raising ``QuantfuseInputError``."""
+    op = "gptq_to_awq"
+    want = torch.tensor(GPTQ_SHIFTS, dtype=torch.int64)
+    for i, t in enumerate(shift_tables):
+        if not torch.equal(t.reshape(-1).to(device="cpu", dtype=torch.int64), want):
+            fail(op, f"shift_tables[{i}]", t, f"the shifts {list(GPTQ_SHIFTS)} the graph was matched with")
+    if v1 and qzeros.numel() and int(gptq_unpack(qzeros).max()) > _V1_MAX_STORED_ZERO:
+        fail(op, "qzeros", qzeros, f"v1 zero points stored as 0..{_V1_MAX_STORED_ZERO} (a stored 15, a zero "
+             "point of 0 borrowing from its neighbour, is read differently by v1 dequantizations)")
+    if g_idx is not None:
+        K = g_idx.shape[0]
+        try:
+            if g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= K // group_size):
+                raise ValueError(f"holds group indices outside [0, {K // group_size})")
+            regroup(g_idx, group_size)
+        except ValueError as exc:
+            fail(op, "g_idx", g_idx, f"group indices that put group_size = {group_size} channels in every "
+                 f"group (it {exc})")
+
+
+def gptq_to_awq_reference(qweight, qzeros, g_idx, group_size, v1, shift_tables):
+    """GPTQ tensors -> (``qweight [K, N/8]`` and ``qzeros [K/G, N/8]`` in the AWQ layout, ``perm`` int32
+    ``[K]``): ``awq_gemm(x, qweight', scales, qzeros', G, bias, perm)`` computes ``x @ W`` of the GPTQ
+    dequantization (``gptq_dequantize_reference``; the scales are the GPTQ ones as they are).  ``perm``
+    is the identity without ``g_idx`` or when the groups are in order.  ``shift_tables``: tensors the
+    matched graph reads as GPTQ's shifts ``[0, 4, ..., 28]``, checked to hold them.  Refused
+    (``QuantfuseInputError``): a ``g_idx`` out of range or with groups of another size than
+    ``group_size``, and, with ``v1``, a stored zero-point nibble of 15."""
+    K, _ = check_gptq("gptq_to_awq", qweight, qzeros, g_idx, group_size, shift_tables)
+    _check_gptq_values(qzeros, g_idx, group_size, v1, shift_tables)
+    state = awq_state(qweight, qzeros, qzeros.new_empty(0), g_idx, group_size, v1)
+    perm = state["perm"]
+    perm = torch.arange(K, device=qweight.device) if perm is None else perm
+    return state["qweight"], state["qzeros"], perm.to(torch.int32)
+
+
+def _gptq_to_awq_fake(qweight, qzeros, g_idx, group_size, v1, shift_tables):
+    K, N = check_gptq("gptq_to_awq", qweight, qzeros, g_idx, group_size, shift_tables)
+    return (qweight.new_empty((K, N // AWQ_PACK)), qzeros.new_empty(tuple(qzeros.shape)),
+            qweight.new_empty((K,)))
+
+
+gptq_cache = TensorCache()
+
+
+def _gptq_to_awq_cached(qweight, qzeros, g_idx, group_size, v1, shift_tables):
+    """The conversion once per set of GPTQ tensors (served while none of them changed: ``TensorCache``)."""
+    sources = [t for t in (qweight, qzeros, g_idx, *shift_tables) if t is not None]
+    if torch.compiler.is_compiling() or any(t.is_inference() or getattr(t, "_is_fake", False) for t in sources):
+        return gptq_to_awq_reference(qweight, qzeros, g_idx, group_size, v1, shift_tables)
+    return gptq_cache.get(sources, lambda: gptq_to_awq_reference(qweight, qzeros, g_idx, group_size, v1,
+                                                                 shift_tables),
+                          extra=(group_size, bool(v1), g_idx is None, len(shift_tables)))
+
+
+gptq_to_awq = define_op(GPTQ_TO_AWQ_SCHEMA, gptq_to_awq_reference, _gptq_to_awq_fake, kernel_dispatch=False)
+lib.impl("gptq_to_awq", _gptq_to_awq_cached, "CPU")
+lib.impl("gptq_to_awq", _gptq_to_awq_cached, "CUDA")

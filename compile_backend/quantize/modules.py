@@ -377,10 +377,10 @@ class AWQLinear(_HoldsTensors):
 
     Act-order (``act_order=True``; GPTQ checkpoints with ``desc_act``, ``checkpoints/gptq.py``):
     ``qweight``'s rows are the input channels reordered so that each group is contiguous, and
-    ``perm`` (int64 ``[K]``, a held tensor like the others) says which: row ``j`` is input channel
-    ``perm[j]``.  ``forward`` gathers the activation to match (``x.index_select(-1, perm)``)
-    before the AWQ matmul, which the passes fuse as usual; the gather is its own kernel on every
-    call until the AWQ kernels read the activation through ``perm`` themselves (a later step).
+    ``perm`` (int32 ``[K]``, a held tensor like the others) says which: row ``j`` is input channel
+    ``perm[j]``.  ``forward`` writes the gather (``x.index_select(-1, perm)``) before the AWQ matmul;
+    the AWQ pass folds it into the op (``quantfuse::awq_gemm``'s ``perm``), whose kernels read the
+    activation through the permutation, and the eager CUDA path calls the op with it.
     ``dequantized_weight`` is in the stored (reordered) row order.  Without act-order ``perm`` is
     None and the layer is as before (same ``state_dict`` keys).
 
@@ -422,7 +422,7 @@ class AWQLinear(_HoldsTensors):
                         ("qzeros", torch.zeros(groups, packed, dtype=torch.int32)),
                         ("scales", torch.ones(groups, out_features, dtype=dtype)),
                         ("bias", torch.zeros(out_features, dtype=dtype) if bias else None),
-                        ("perm", torch.arange(in_features) if act_order else None)):
+                        ("perm", torch.arange(in_features, dtype=torch.int32) if act_order else None)):
             self.register_parameter(name, _frozen(t))
 
     @classmethod
@@ -487,7 +487,7 @@ class AWQLinear(_HoldsTensors):
         mod = cls(K, N, group_size=inferred, bias=bias is not None, dtype=scales.dtype, act_order=perm is not None)
         mod.load_state_dict({k: v for k, v in
                              dict(qweight=qweight, qzeros=qzeros, scales=scales, bias=bias,
-                                  perm=None if perm is None else perm.long()).items()
+                                  perm=None if perm is None else perm.to(torch.int32)).items()
                              if v is not None})
         return mod.to(qweight.device)
 
@@ -531,20 +531,21 @@ class AWQLinear(_HoldsTensors):
         out_dtype = getattr(torch, self._out_dtype)  # not the property: see _dtype_attribute
         if out_dtype != compute:  # converted to a dtype the format cannot hold (see the class doc)
             x = x.to(compute)
-        if self.perm is not None:  # act-order: the input channels in the stored rows' order
-            x = x.index_select(-1, self.perm)
         if not torch.compiler.is_compiling() and calls_op_eagerly(x) and (
                 self.bias is None or self.bias.dtype == compute):
             y = self.forward_op(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
             return y if out_dtype == compute else y.to(out_dtype)
+        if self.perm is not None:  # act-order: the input channels in the stored rows' order
+            x = x.index_select(-1, self.perm)
         y = torch.matmul(x, self.dequantized_weight())
         y = y if self.bias is None else y + self.bias
         return y if out_dtype == compute else y.to(out_dtype)
 
     def forward_op(self, x2: torch.Tensor) -> torch.Tensor:
         """``forward`` of ``[M, K]`` activations in the scales' dtype through ``quantfuse::awq_gemm``
-        (the bias folded in), as the passes fuse the form."""
-        return torch.ops.quantfuse.awq_gemm(x2, self.qweight, self.scales, self.qzeros, self.group_size, self.bias)
+        (the bias and the act-order gather folded in), as the passes fuse the form."""
+        return torch.ops.quantfuse.awq_gemm(x2, self.qweight, self.scales, self.qzeros, self.group_size, self.bias,
+                                            self.perm)
 
     def _apply(self, fn, recurse=True):
         target = _target(fn, torch.empty(0, dtype=self.out_dtype, device=self.qweight.device)).dtype

@@ -16,6 +16,10 @@
 // dropped: the module's tensor is the only copy of the weight.  A qweight in the AWQ layout ([K, N/8], other libraries' modules) gets
 // both layouts made once and kept beside it (common/derived_cache.h; explain() reports them).
 //
+// Act-order (perm, int32 [K]): every path takes x gathered by the order first (one M x K gather inside
+// the op).  A streaming kernel that read x through the order (four 2-byte loads for each 8-byte one)
+// measured slower than the gather at batch 1 and 8 on an H200.
+//
 // Inputs no kernel takes (N % 64, K or group size not multiples of 16, CPU or mixed devices,
 // pre-sm_80 GPUs, sizes beyond 32-bit indexing) and malformed inputs run the reference, which
 // logs the reason or raises naming the argument.
@@ -52,7 +56,8 @@ std::string n(int64_t v) { return std::to_string(v); }
 // Why no kernel takes these AWQ operands ("" when they do); x and bias may be absent
 // (awq_dequantize).
 std::string awq_reason(const at::Tensor* x, const at::Tensor& qweight, const at::Tensor& scales,
-                       const at::Tensor& qzeros, int64_t group_size, const std::optional<at::Tensor>& bias) {
+                       const at::Tensor& qzeros, int64_t group_size, const std::optional<at::Tensor>& bias,
+                       const std::optional<at::Tensor>& perm = std::nullopt) {
   if (!qweight.is_cuda()) return "qweight is not a CUDA tensor";
   const c10::Device dev = qweight.device();
   if (scales.device() != dev || qzeros.device() != dev || (x && x->device() != dev) ||
@@ -74,6 +79,9 @@ std::string awq_reason(const at::Tensor* x, const at::Tensor& qweight, const at:
     return "x is not [M, K] in the dtype of scales";
   if (bias.has_value() && (bias->dim() != 1 || bias->size(0) != N || bias->scalar_type() != scales.scalar_type()))
     return "bias is not [N] in the dtype of scales";
+  if (perm.has_value() && (perm->device() != dev || perm->scalar_type() != at::kInt || perm->dim() != 1 ||
+                           perm->size(0) != K))
+    return "perm is not int32 [K] on the device of qweight";
   const auto* props = at::cuda::getDeviceProperties(dev.index());
   if (props->major < 8) return "GPU older than sm_80 (no bf16 mma.sync)";
   if (N % awq::kStripN != 0) return "N = " + n(N) + " is not a multiple of " + n(awq::kStripN);
@@ -90,27 +98,30 @@ bool sm90_prefill_takes(const at::Tensor& x, int64_t K, int64_t N, int64_t group
 }
 
 using GemmRef = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
-                           const std::optional<at::Tensor>&, c10::string_view);
+                           const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, c10::string_view);
 using DequantRef = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, c10::string_view);
 
 at::Tensor awq_gemm_dispatch(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales_in,
-                             const at::Tensor& qzeros_in, int64_t group_size, const std::optional<at::Tensor>& bias_in) {
-  const std::string reason = awq_reason(&x_in, qweight, scales_in, qzeros_in, group_size, bias_in);
+                             const at::Tensor& qzeros_in, int64_t group_size, const std::optional<at::Tensor>& bias_in,
+                             const std::optional<at::Tensor>& perm_in) {
+  const std::string reason = awq_reason(&x_in, qweight, scales_in, qzeros_in, group_size, bias_in, perm_in);
   if (!reason.empty())
     return reference_op<GemmRef>("quantfuse::_awq_gemm_reference")
-        .call(x_in, qweight, scales_in, qzeros_in, group_size, bias_in, reason);
+        .call(x_in, qweight, scales_in, qzeros_in, group_size, bias_in, perm_in, reason);
   const bool fragments = qweight.dim() == 4;
   const int64_t M = x_in.size(0), K = x_in.size(1), N = scales_in.size(1);
   if (M == 0) return at::empty({0, N}, x_in.options());
   const std::optional<at::Tensor> bias = bias_in.has_value() ? std::optional<at::Tensor>(dense(*bias_in)) : std::nullopt;
+  // Act-order: x gathered by the order (one pass over M x K, small against the weight's K x N).
+  const at::Tensor xg = perm_in.has_value() ? x_in.index_select(1, *perm_in) : x_in;
   if (fragments) {
     const at::Tensor w = dense(qweight);
     if (M > kDecodeMaxM && sm90_prefill_takes(x_in, K, N, group_size)) {
       const at::Tensor scales = dense(scales_in);
       auto [wq, zeros] = awq_prepare_sm90_from_fragments_cuda(w, scales, qzeros_in.contiguous(), group_size);
-      return awq_gemm_sm90_cuda(dense(x_in), wq, scales, zeros, group_size, bias, -1, -1);
+      return awq_gemm_sm90_cuda(dense(xg), wq, scales, zeros, group_size, bias, -1, -1);
     }
-    const at::Tensor x = dense(x_in, 8), scales = dense(scales_in), qzeros = dense(qzeros_in);
+    const at::Tensor x = dense(xg, 8), scales = dense(scales_in), qzeros = dense(qzeros_in);
     if (M <= kKernelMaxM) return awq_gemm_cuda(x, w, scales, qzeros, group_size, bias, 0, 0, true);
     const at::Tensor dq = awq_dequantize_cuda(awq_unrepack_cuda(w), scales, qzeros, group_size);
     return bias.has_value() ? at::addmm(*bias, x, dq) : at::mm(x, dq);
@@ -121,9 +132,9 @@ at::Tensor awq_gemm_dispatch(const at::Tensor& x_in, const at::Tensor& qweight, 
                                               group_size);
       return std::vector<at::Tensor>{wq, s, z};
     });
-    return awq_gemm_sm90_cuda(dense(x_in), prepared[0], prepared[1], prepared[2], group_size, bias, -1, -1);
+    return awq_gemm_sm90_cuda(dense(xg), prepared[0], prepared[1], prepared[2], group_size, bias, -1, -1);
   }
-  const at::Tensor x = dense(x_in, 8), scales = dense(scales_in), qzeros = dense(qzeros_in);
+  const at::Tensor x = dense(xg, 8), scales = dense(scales_in), qzeros = dense(qzeros_in);
   if (M <= kKernelMaxM) {
     const auto packed = derived(kAwqRepack, {qweight}, 0, [&] {
       return std::vector<at::Tensor>{awq_repack_cuda(qweight.contiguous())};
@@ -145,8 +156,9 @@ at::Tensor awq_dequantize_dispatch(const at::Tensor& qweight, const at::Tensor& 
 }
 
 std::string awq_gemm_kernel_reason(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                                   const at::Tensor& qzeros, int64_t group_size, const std::optional<at::Tensor>& bias) {
-  return awq_reason(&x, qweight, scales, qzeros, group_size, bias);
+                                   const at::Tensor& qzeros, int64_t group_size, const std::optional<at::Tensor>& bias,
+                                   const std::optional<at::Tensor>& perm) {
+  return awq_reason(&x, qweight, scales, qzeros, group_size, bias, perm);
 }
 
 }  // namespace
@@ -155,7 +167,7 @@ std::string awq_gemm_kernel_reason(const at::Tensor& x, const at::Tensor& qweigh
 TORCH_LIBRARY_FRAGMENT(quantfuse, m) {
   // Tests: the reason the CUDA dispatch would give for these operands ("" = a kernel runs).
   m.def("_awq_gemm_kernel_reason(Tensor x, Tensor qweight, Tensor scales, Tensor qzeros, int group_size, "
-        "Tensor? bias=None) -> str");
+        "Tensor? bias=None, Tensor? perm=None) -> str");
 }
 
 TORCH_LIBRARY_IMPL(quantfuse, CUDA, m) {

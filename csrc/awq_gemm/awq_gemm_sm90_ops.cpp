@@ -33,6 +33,17 @@ qa::DType dtype_of(const at::Tensor& t, const char* name) {
                   c10::toString(t.scalar_type()));
 }
 
+// The per-group scales [groups, N] and AWQ-packed zero points [groups, N/8] both preparations
+// take; returns the dtype of scales.
+qa::DType check_group_tensors(const at::Tensor& scales, const at::Tensor& qzeros, int64_t groups, int64_t N) {
+  const qa::DType dt = dtype_of(scales, "scales");
+  QF_CHECK(scales.dim() == 2 && scales.size(0) == groups && scales.size(1) == N,
+           "quantfuse awq_sm90: 'scales' must have shape (%lld, %lld)", (long long)groups, (long long)N);
+  QF_CHECK(qzeros.scalar_type() == at::kInt && qzeros.dim() == 2 && qzeros.size(0) == groups && qzeros.size(1) == N / 8,
+           "quantfuse awq_sm90: 'qzeros' must be int32 of shape (%lld, %lld)", (long long)groups, (long long)(N / 8));
+  return dt;
+}
+
 void check_cuda_contig(const at::Tensor& t, const char* name) {
   QF_CHECK(t.is_cuda(), "quantfuse awq_sm90: '%s' must be a CUDA tensor", name);
   QF_CHECK(t.is_contiguous(), "quantfuse awq_sm90: '%s' must be contiguous", name);
@@ -70,11 +81,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> awq_prepare_sm90_cuda(const at::T
   const int64_t K = qweight.size(0), N = qweight.size(1) * 8;
   check_shapes(K, N, group_size);
   const int64_t groups = K / group_size;
-  const qa::DType dt = dtype_of(scales, "scales");
-  QF_CHECK(scales.dim() == 2 && scales.size(0) == groups && scales.size(1) == N,
-           "quantfuse awq_sm90: 'scales' must have shape (%lld, %lld)", (long long)groups, (long long)N);
-  QF_CHECK(qzeros.scalar_type() == at::kInt && qzeros.dim() == 2 && qzeros.size(0) == groups && qzeros.size(1) == N / 8,
-           "quantfuse awq_sm90: 'qzeros' must be int32 of shape (%lld, %lld)", (long long)groups, (long long)(N / 8));
+  const qa::DType dt = check_group_tensors(scales, qzeros, groups, N);
   const c10::cuda::CUDAGuard guard(qweight.device());
   auto stream = at::cuda::getCurrentCUDAStream();
   at::Tensor wq = at::empty({N, K / 2}, qweight.options().dtype(at::kByte));
@@ -104,11 +111,7 @@ std::tuple<at::Tensor, at::Tensor> awq_prepare_sm90_from_fragments_cuda(const at
   const int64_t K = fragments.size(1) * 16, N = fragments.size(0) * 64;
   check_shapes(K, N, group_size);
   const int64_t groups = K / group_size;
-  const qa::DType dt = dtype_of(scales, "scales");
-  QF_CHECK(scales.dim() == 2 && scales.size(0) == groups && scales.size(1) == N,
-           "quantfuse awq_sm90: 'scales' must have shape (%lld, %lld)", (long long)groups, (long long)N);
-  QF_CHECK(qzeros.scalar_type() == at::kInt && qzeros.dim() == 2 && qzeros.size(0) == groups && qzeros.size(1) == N / 8,
-           "quantfuse awq_sm90: 'qzeros' must be int32 of shape (%lld, %lld)", (long long)groups, (long long)(N / 8));
+  const qa::DType dt = check_group_tensors(scales, qzeros, groups, N);
   const c10::cuda::CUDAGuard guard(fragments.device());
   auto stream = at::cuda::getCurrentCUDAStream();
   at::Tensor wq = at::empty({N, K / 2}, fragments.options().dtype(at::kByte));
