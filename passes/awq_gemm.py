@@ -194,6 +194,32 @@ def _static_masks(sub: Subgraph) -> list[int]:
     return [n.args[1] for n in sub.nodes if n.target in _MASKS and isinstance(n.args[1], int) and n.args[1] != MASK]
 
 
+def _probe_scales(groups: int, N: int, dtype, gen: torch.Generator):
+    """Probe scales [groups, N]: all ones, distinct per (group, column) and exact in float16 and bfloat16
+    (8 significant bits), random."""
+    unit = torch.ones(groups, N, dtype=dtype)
+    i = torch.arange(groups * N, dtype=torch.float64).view(groups, N)
+    distinct = ((i % 256 + 1) * torch.exp2((i // 256) % 16 - 8)).to(dtype)
+    random_scales = (torch.rand(groups, N, generator=gen, dtype=torch.float32) * 0.1 + 1e-3).to(dtype)
+    return unit, distinct, random_scales
+
+
+def _mask_reason(sub: Subgraph, where):
+    """Why the all-ones probe failed: the subgraph's static mask, else the value an all-ones word gave."""
+    def mask(got, want):
+        masks = _static_masks(sub)
+        if masks:
+            return f"the mask is {masks[0]}, not {MASK} (4-bit values)"
+        k, n, _ = where(got, want)
+        return f"an all-ones int32 unpacks to {got[k, n].item()}, not {MASK}: the values are not 4-bit fields"
+    return mask
+
+
+def _read_bits(values) -> list:
+    """The bit offsets that unpacked probe values (nibble j holds j) say were read."""
+    return [4 * int(v) if float(v).is_integer() and 0 <= v < AWQ_PACK else f"?({v})" for v in values]
+
+
 def _probes(sub: Subgraph, K: int, C: int, groups: int, dtype) -> list[Probe]:
     """The probe inputs at sizes K, N/8 = C and K/G = groups, each with what its failure means."""
     N, G = C * AWQ_PACK, K // groups
@@ -205,29 +231,19 @@ def _probes(sub: Subgraph, K: int, C: int, groups: int, dtype) -> list[Probe]:
     def random_words(rows):
         return torch.randint(-(2**31), 2**31, (rows, C), generator=gen, dtype=torch.int32)
 
-    unit = torch.ones(groups, N, dtype=dtype)
-    # Scales distinct per (group, column) and exact in float16 and bfloat16 (8 significant bits).
-    i = torch.arange(groups * N, dtype=torch.float64).view(groups, N)
-    distinct = ((i % 256 + 1) * torch.exp2((i // 256) % 16 - 8)).to(dtype)
-    random_scales = (torch.rand(groups, N, generator=gen, dtype=torch.float32) * 0.1 + 1e-3).to(dtype)
+    unit, distinct, random_scales = _probe_scales(groups, N, dtype, gen)
 
     def where(got, want):
         k, n = dequant_probe.first_difference(got, want)
         return k, n, f"row {k % G} of group {k // G}, column {n}"
 
-    def mask(got, want):
-        masks = _static_masks(sub)
-        if masks:
-            return f"the mask is {masks[0]}, not {MASK} (4-bit values)"
-        k, n, _ = where(got, want)
-        return f"an all-ones int32 unpacks to {got[k, n].item()}, not {MASK}: the values are not 4-bit fields"
+    mask = _mask_reason(sub, where)
 
     def order(got, want):
         k, n, _ = where(got, want)
         b = n // AWQ_PACK * AWQ_PACK
-        read = [4 * int(v) if float(v).is_integer() and 0 <= v < AWQ_PACK else f"?({v})"
-                for v in got[k, b:b + AWQ_PACK].tolist()]
-        return f"bit order: columns {b}..{b + AWQ_PACK - 1} read bits {read}, AWQ order reads {list(AWQ_SHIFTS)}"
+        return (f"bit order: columns {b}..{b + AWQ_PACK - 1} read bits {_read_bits(got[k, b:b + AWQ_PACK].tolist())}, "
+                f"AWQ order reads {list(AWQ_SHIFTS)}")
 
     def sign(got, want):
         unsigned = [n for n in sub.nodes if n.target == aten.sub.Tensor
@@ -404,36 +420,25 @@ def _gptq_probes(sub: Subgraph, roles: _GPTQRoles, K: int, C: int, groups: int, 
         packed = (nibbles << torch.tensor(GPTQ_SHIFTS)).sum(-1)
         return (packed - ((packed >> 31) << 32)).to(torch.int32)
 
-    unit = torch.ones(groups, N, dtype=dtype)
-    i = torch.arange(groups * N, dtype=torch.float64).view(groups, N)
-    distinct = ((i % 256 + 1) * torch.exp2((i // 256) % 16 - 8)).to(dtype)  # exact in float16 and bfloat16
-    random_scales = (torch.rand(groups, N, generator=gen, dtype=torch.float32) * 0.1 + 1e-3).to(dtype)
+    unit, distinct, random_scales = _probe_scales(groups, N, dtype, gen)
 
     def where(got, want):
         k, n = dequant_probe.first_difference(got, want)
         return k, n, f"row {k}, column {n}"
 
-    def mask(got, want):
-        masks = _static_masks(sub)
-        if masks:
-            return f"the mask is {masks[0]}, not {MASK} (4-bit values)"
-        k, n, _ = where(got, want)
-        return f"an all-ones int32 unpacks to {got[k, n].item()}, not {MASK}: the values are not 4-bit fields"
-
-    def read_bits(values):
-        return [4 * int(v) if float(v).is_integer() and 0 <= v < AWQ_PACK else f"?({v})" for v in values]
+    mask = _mask_reason(sub, where)
 
     def order(got, want):
         k, n, _ = where(got, want)
         b = k // AWQ_PACK * AWQ_PACK
-        return (f"bit order: rows {b}..{b + AWQ_PACK - 1} read bits {read_bits(got[b:b + AWQ_PACK, n].tolist())} "
+        return (f"bit order: rows {b}..{b + AWQ_PACK - 1} read bits {_read_bits(got[b:b + AWQ_PACK, n].tolist())} "
                 f"of their qweight word, GPTQ's order reads {list(GPTQ_SHIFTS)}")
 
     def zero_order(got, want):
         k, n, _ = where(got, want)
         b = n // AWQ_PACK * AWQ_PACK
         offset = 1 if v1 else 0
-        read = read_bits([-v - offset for v in got[k, b:b + AWQ_PACK].tolist()])
+        read = _read_bits([-v - offset for v in got[k, b:b + AWQ_PACK].tolist()])
         return (f"zero-point bit order: columns {b}..{b + AWQ_PACK - 1} read bits {read} of their qzeros word, "
                 f"GPTQ's order reads {list(GPTQ_SHIFTS)}")
 

@@ -36,7 +36,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-from test_e2e_hf import assert_tokens_match, eager_generate, generate, prompt, tiny_causal_lm  # noqa: E402
+from test_e2e_hf import assert_tokens_match, compiled_generate, eager_generate, prompt, tiny_causal_lm  # noqa: E402
 
 from compile_backend.checkpoints import UnsupportedCheckpointError, from_pretrained  # noqa: E402
 from compile_backend.ops import awq_unpack  # noqa: E402
@@ -232,10 +232,8 @@ def test_gptq_act_order_shares_perm(tmp_path):
 @pytest.mark.compile
 def test_gptq_fused_generate(tmp_path):
     """One compile: layer 0 in order (``g_idx = k // G`` under ``desc_act``, as ``static_groups`` writes),
-    layer 1 act-order.  Every linear fused into ``awq_gemm`` (the activation gather stays beside it),
-    q/k/v and gate/up merged in both layers, ``generate`` tokens equal to eager's."""
-    from torch._dynamo.utils import counters
-
+    layer 1 act-order.  Every linear fused into ``awq_gemm`` (layer 1's activation gathers folded into
+    its ``perm``), q/k/v and gate/up merged in both layers, ``generate`` tokens equal to eager's."""
     folder, layers = write_gptq(str(tmp_path / "mixed"), fmt="gptq", sym=False, group=32, desc_act=True,
                                 in_order_layers=(0,))
     model = from_pretrained(folder)
@@ -248,17 +246,12 @@ def test_gptq_fused_generate(tmp_path):
 
     config = transformers.CompileConfig(backend="quantfuse", mode="default")
     config._compile_all_devices = True  # transformers compiles on accelerators only unless told
-    model.generation_config.compile_config = config
-    torch._dynamo.reset()
-    counters.clear()
-    with collecting_report() as report, torch._functorch.config.patch(enable_autograd_cache=False), \
-            torch._inductor.config.patch({"fx_graph_cache": False}), torch.no_grad():
-        tokens, logits = generate(model, ids)
-    graphs = counters["stats"]["unique_graphs"]
-    assert hasattr(model, "_compiled_call") and graphs >= 1
-    assert report.unfused == [], str(report)
-    assert report.counts() == {"awq_gemm": LINEARS * graphs}, str(report)
-    assert len(report.merged) == 4 * graphs, str(report)  # q/k/v and gate/up of each layer
+
+    def merged_awq(report, graphs):
+        assert report.counts() == {"awq_gemm": LINEARS * graphs}, str(report)
+        assert len(report.merged) == 4 * graphs, str(report)  # q/k/v and gate/up of each layer
+
+    ((tokens, logits),) = compiled_generate(model, ids, config, LINEARS, "GPTQ act-order", check=merged_awq)
     assert_tokens_match(tokens, logits, ref_tokens, ref_logits, what="GPTQ act-order")
 
 

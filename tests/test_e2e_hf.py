@@ -113,9 +113,10 @@ def rtol_for(scheme: str) -> float:
     return 0.15 if scheme.startswith("fp8") else 5e-2
 
 
-def compiled_generate(model, ids, compile_config, report_expected: int, what: str, calls: int = 1):
+def compiled_generate(model, ids, compile_config, report_expected: int, what: str, calls: int = 1, check=None):
     """``generate`` through transformers' compiled decode step: returns the results of each call,
-    after checking that every quantized linear of every compiled graph was fused."""
+    after checking that every quantized linear of every compiled graph was fused (and ``check(report,
+    graphs)``, where given)."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -133,6 +134,8 @@ def compiled_generate(model, ids, compile_config, report_expected: int, what: st
     assert len(report.fused) == report_expected * graphs, (
         f"{what}: {len(report.fused)} fused subgraphs in {graphs} graph(s); expected {report_expected} per graph\n"
         f"{report}")
+    if check is not None:
+        check(report, graphs)
     return results
 
 

@@ -327,10 +327,8 @@ def test_llama_with_gptq_torch_layers_generates_as_eager(device, request):
         request.getfixturevalue("cuda_kernels")
     import transformers
     from test_checkpoints_gptq import LINEARS
-    from test_e2e_hf import assert_tokens_match, eager_generate, generate, prompt, tiny_causal_lm
-    from torch._dynamo.utils import counters
+    from test_e2e_hf import assert_tokens_match, compiled_generate, eager_generate, prompt, tiny_causal_lm
 
-    from compile_backend.passes import collecting_report
 
     model = tiny_causal_lm(dtype=torch.float16)
     seed = 10
@@ -351,16 +349,11 @@ def test_llama_with_gptq_torch_layers_generates_as_eager(device, request):
 
     config = transformers.CompileConfig(backend="quantfuse", mode="default" if device == "cpu" else "reduce-overhead")
     config._compile_all_devices = True  # transformers compiles on accelerators only unless told
-    model.generation_config.compile_config = config
-    torch._dynamo.reset()
-    counters.clear()
-    with collecting_report() as report, torch._functorch.config.patch(enable_autograd_cache=False), \
-            torch._inductor.config.patch({"fx_graph_cache": False}), torch.no_grad():
-        tokens, logits = generate(model, ids)
-    graphs = counters["stats"]["unique_graphs"]
-    assert hasattr(model, "_compiled_call") and graphs >= 1
-    assert report.unfused == [], str(report)
-    assert report.counts() == {"awq_gemm": LINEARS * graphs}, str(report)
+
+    def only_awq(report, graphs):
+        assert report.counts() == {"awq_gemm": LINEARS * graphs}, str(report)
+
+    ((tokens, logits),) = compiled_generate(model, ids, config, LINEARS, "GPTQ torch layers", check=only_awq)
     assert_tokens_match(tokens, logits, ref_tokens, ref_logits, what="GPTQ torch layers")
     torch._dynamo.reset()
 
