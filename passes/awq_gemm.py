@@ -215,6 +215,12 @@ def _mask_reason(sub: Subgraph, where):
     return mask
 
 
+def _scale_source(distinct: torch.Tensor, value: torch.Tensor) -> str:
+    """Which of the distinct probe scales a dequantized value of weight 1 carries."""
+    hits = (distinct == value).nonzero()
+    return f"scales[{hits[0, 0]}, {hits[0, 1]}]" if len(hits) else f"{value.item()}"
+
+
 def _read_bits(values) -> list:
     """The bit offsets that unpacked probe values (nibble j holds j) say were read."""
     return [4 * int(v) if float(v).is_integer() and 0 <= v < AWQ_PACK else f"?({v})" for v in values]
@@ -266,8 +272,7 @@ def _probes(sub: Subgraph, K: int, C: int, groups: int, dtype) -> list[Probe]:
 
     def scale(got, want):
         k, n, at = where(got, want)
-        hits = (distinct == got[k, n]).nonzero()
-        source = f"scales[{hits[0, 0]}, {hits[0, 1]}]" if len(hits) else f"{got[k, n].item()}"
+        source = _scale_source(distinct, got[k, n])
         return f"{at} is scaled by {source}, not scales[{k // G}, {n}]: another group or column of the scales"
 
     def other(got, want):
@@ -457,8 +462,7 @@ def _gptq_probes(sub: Subgraph, roles: _GPTQRoles, K: int, C: int, groups: int, 
 
     def scale(got, want):
         k, n, at = where(got, want)
-        hits = (distinct == got[k, n]).nonzero()
-        source = f"scales[{hits[0, 0]}, {hits[0, 1]}]" if len(hits) else f"{got[k, n].item()}"
+        source = _scale_source(distinct, got[k, n])
         return f"{at} is scaled by {source}, not scales[{in_order[k].item()}, {n}]"
 
     def group_index(g_idx):
