@@ -29,6 +29,14 @@ unknown key (a typo such as ``max_autotunez``), a mistyped value or an unknown
 family raises ``ValueError`` naming it and the valid ones (Dynamo reports it
 as ``BackendCompilerFailed``); fallback is for real compile failures only.
 
+``pdl`` (bool, default True)
+    Programmatic dependent launch on sm_90 and later, in graphs that run as CUDA graphs: Inductor's
+    Triton kernels are generated with it (``triton.enable_pdl``, where this torch has it; an explicit
+    ``triton.enable_pdl`` option wins), so that each kernel launches while the one before finishes
+    and the decode kernels stream their weights into L2 meanwhile (``csrc/common/pdl.cuh``).  The
+    environment's ``QUANTFUSE_PDL=0`` turns it off here and in the kernels' launches; results are the
+    same either way.  Outside CUDA graphs it stays off (a launch with it costs the host more).
+
 ``mode`` works as for Inductor ("reduce-overhead" turns on CUDA graphs,
 "max-autotune" max-autotune).  A graph run as a CUDA graph refuses to run once a weight it
 read derived values of has changed since it was captured (``derived/captured_graphs.py``).
@@ -38,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from typing import Any
 
 import torch
@@ -46,7 +55,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 log = logging.getLogger("quantfuse")
 
-OUR_OPTIONS = ("passes", "families", "horizontal", "gqa_decode", "fallback")
+OUR_OPTIONS = ("passes", "families", "horizontal", "gqa_decode", "fallback", "pdl")
 # torch._dynamo.utils.counters[COUNTERS]: "fallback_inductor" (compiled without our passes) and
 # "fallback_eager" (ran in eager), one per failed compile, next to Dynamo's own counters;
 # "gqa_decode": one-token attentions rewritten by passes/gqa_decode.py.
@@ -106,7 +115,7 @@ def install_passes(config_patches: dict, passes: dict) -> dict:
 
 def _our_option(key: str, value):
     """``value`` of one of OUR_OPTIONS, checked (``families`` normalised to a tuple)."""
-    if key in ("passes", "horizontal", "gqa_decode", "fallback"):
+    if key in ("passes", "horizontal", "gqa_decode", "fallback", "pdl"):
         if not isinstance(value, bool):
             raise ValueError(f"quantfuse: option {key!r} is {value!r}; expected True or False")
         return value
@@ -152,7 +161,7 @@ def _split_options(options: dict | None, mode: str | None) -> tuple[dict, dict]:
     """(our options, Inductor config patches); raises ValueError naming an unknown or
     mistyped option, before anything is compiled (a typo must not look like a failed
     compile and run the model without fusion)."""
-    ours: dict[str, Any] = {"passes": True, "horizontal": True, "gqa_decode": True, "fallback": True}
+    ours: dict[str, Any] = {"passes": True, "horizontal": True, "gqa_decode": True, "fallback": True, "pdl": True}
     inductor: dict[str, Any] = {}
     if mode and mode != "default":
         from torch._inductor import list_mode_options
@@ -204,6 +213,32 @@ def quantfuse(gm: torch.fx.GraphModule, example_inputs, options: dict | None = N
         return _compile(gm, example_inputs, ours, inductor_patches)
 
 
+PDL_ENV = "QUANTFUSE_PDL"  # "0": no programmatic dependent launch (Inductor's kernels and ours)
+
+
+def pdl_allowed_by_env() -> bool:
+    value = os.environ.get(PDL_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{PDL_ENV}={value!r}; expected '0' (off) or '1' (on where the GPU has it, the default)")
+    return value != "0"
+
+
+def with_pdl(patches: dict, example_inputs, wanted: bool) -> dict:
+    """``patches`` plus Inductor's ``triton.enable_pdl`` where the graph runs as CUDA graphs on sm_90 or
+    later (the ``pdl`` option's doc); unchanged where a patch already says, or this torch lacks it."""
+    from torch._inductor import config as inductor_config
+
+    from compile_backend.derived import uses_cuda_graphs
+
+    if (not wanted or "triton.enable_pdl" in patches or not hasattr(inductor_config.triton, "enable_pdl")
+            or not uses_cuda_graphs(patches) or not pdl_allowed_by_env()):
+        return patches
+    devices = {t.device for t in example_inputs if isinstance(t, torch.Tensor) and t.is_cuda}
+    if not devices or any(torch.cuda.get_device_capability(d)[0] < 9 for d in devices):
+        return patches
+    return {**patches, "triton.enable_pdl": True}
+
+
 def _compile(gm: torch.fx.GraphModule, example_inputs, ours: dict, inductor_patches: dict):
     from torch._inductor.compile_fx import compile_fx
 
@@ -213,7 +248,7 @@ def _compile(gm: torch.fx.GraphModule, example_inputs, ours: dict, inductor_patc
     from compile_backend.derived import guard_derived_reads, uses_cuda_graphs, watch
     from compile_backend.passes import make_graph_passes
 
-    patches = install_passes(inductor_patches, make_graph_passes(ours))
+    patches = install_passes(with_pdl(inductor_patches, example_inputs, ours["pdl"]), make_graph_passes(ours))
     # The values our ops derive from this graph's weights go when the weights do.
     watch([*example_inputs, *gm.parameters(), *gm.buffers()])
     try:

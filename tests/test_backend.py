@@ -169,12 +169,13 @@ def test_failed_inductor_runs_eager_and_says_so(monkeypatch, caplog):
     ({"max_autotunez": True}, r"unknown option 'max_autotunez' \(did you mean 'max_autotune'"),
     ({"famillies": ["scaled_mm"]}, r"unknown option 'famillies' \(did you mean 'families'"),
     ({"not_a_setting": 1},
-     r"unknown option 'not_a_setting'.*\['passes', 'families', 'horizontal', 'gqa_decode', 'fallback'\]"
+     r"unknown option 'not_a_setting'.*\['passes', 'families', 'horizontal', 'gqa_decode', 'fallback', 'pdl'\]"
      r".*'max_autotune'"),
     ({"families": ["scaled_mn"]}, r"unknown pattern families \['scaled_mn'\].*'scaled_mm_azp', 'scaled_mm', 'awq_gemm"),
     ({"families": 3}, r"option 'families' is 3"),
     ({"passes": "yes"}, r"option 'passes' is 'yes'; expected True or False"),
     ({"fallback": None}, r"option 'fallback' is None"),
+    ({"pdl": 1}, r"option 'pdl' is 1; expected True or False"),
     ({"max_autotune": "yes"}, r"option 'max_autotune' is 'yes' \(str\); Inductor's max_autotune takes bool"),
 ])
 def test_bad_options_raise_before_compiling(monkeypatch, options, match):
@@ -293,3 +294,42 @@ def test_cuda_graph_guard_enters_checks_and_exits(monkeypatch):
     del run, other
     gc.collect()
     assert ("forget", graph_id) in ops.calls
+
+
+def _fake_cuda_inputs():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        return [torch.empty(4, device="cuda")]
+
+
+@pytest.mark.parametrize("case, capability, env, patches, wanted, expected", [
+    ("CUDA graphs on sm_90", (9, 0), None, {"triton.cudagraphs": True}, True, True),
+    ("option pdl=False", (9, 0), None, {"triton.cudagraphs": True}, False, None),
+    ("QUANTFUSE_PDL=0", (9, 0), "0", {"triton.cudagraphs": True}, True, None),
+    ("no CUDA graphs", (9, 0), None, {"triton.cudagraphs": False}, True, None),
+    ("sm_80", (8, 0), None, {"triton.cudagraphs": True}, True, None),
+    ("the user's own setting", (9, 0), None, {"triton.cudagraphs": True, "triton.enable_pdl": False}, True, False),
+])
+def test_pdl_patch(monkeypatch, case, capability, env, patches, wanted, expected):
+    """Inductor's ``triton.enable_pdl`` is set only for CUDA graphs on sm_90+, unless the option, the
+    environment or the user's own patch says otherwise."""
+    from torch._inductor import config as inductor_config
+
+    if not hasattr(inductor_config.triton, "enable_pdl"):
+        pytest.skip("this torch's Inductor has no triton.enable_pdl")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    if env is None:
+        monkeypatch.delenv(backend.PDL_ENV, raising=False)
+    else:
+        monkeypatch.setenv(backend.PDL_ENV, env)
+    out = backend.with_pdl(dict(patches), _fake_cuda_inputs(), wanted)
+    assert out.get("triton.enable_pdl") is expected, case
+    assert "triton.enable_pdl" not in backend.with_pdl(dict(patches), [torch.empty(4)], wanted) or \
+        patches.get("triton.enable_pdl") is not None, f"{case}: CPU inputs"
+
+
+def test_pdl_env_checked(monkeypatch):
+    monkeypatch.setenv(backend.PDL_ENV, "off")
+    with pytest.raises(ValueError, match="QUANTFUSE_PDL='off'; expected '0'"):
+        backend.pdl_allowed_by_env()

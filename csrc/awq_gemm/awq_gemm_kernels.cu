@@ -24,6 +24,7 @@
 #include "awq_gemm/awq_gemm.h"
 #include "awq_gemm/awq_gemm_strip.cuh"
 #include "common/cluster_launch.h"
+#include "common/pdl.cuh"
 #include "common/sm_count.h"
 
 namespace quantfuse {
@@ -92,7 +93,7 @@ template <typename T, int NT, int W, bool CLUSTER>
 __global__ void __launch_bounds__(W * 32, min_warps_per_sm(NT, W) / W) awq_gemm_kernel(
     const T* __restrict__ x, const uint4* __restrict__ wp, const T* __restrict__ scales,
     const uint32_t* __restrict__ qzeros, const T* __restrict__ bias, T* __restrict__ out,
-    float* __restrict__ partial, int M, int N, int K, int group_size) {
+    float* __restrict__ partial, int M, int N, int K, int group_size, bool pdl) {
   constexpr bool kFold = fold_path(NT, W);
   __shared__ __align__(16) float red[red_floats(NT, W)];
 
@@ -124,6 +125,14 @@ __global__ void __launch_bounds__(W * 32, min_warps_per_sm(NT, W) / W) awq_gemm_
 #else
   const uint4* wl = wp + (size_t)strip * KT * 32 + lane;
 #endif
+  // Launched with PDL: the warp's weights asked into L2 while the kernel before may still run (each
+  // k-step is 512 bytes, four lines: 8 k-steps per pass of the warp's lanes), then wait for it;
+  // nothing the previous kernel may write is read before.
+  if (pdl) {
+    const char* wbase = reinterpret_cast<const char*>(wl - lane);
+    for (int k = wb + (lane >> 2); k < we; k += 8) prefetch_l2(wbase + (size_t)k * 512 + (lane & 3) * 128);
+  }
+  pdl_wait();
   const int gsteps = group_size >> 4;
   const int groups = K / group_size;
   const StripGroups<T> meta(scales, qzeros, N, strip, lane);
@@ -211,6 +220,8 @@ __global__ void __launch_bounds__(W * 32, min_warps_per_sm(NT, W) / W) awq_gemm_
 
   if constexpr (kFold)
     if (wb < we) fold_group<T, NT>(meta.fold_constants(cur, lane), acc, sx, tot, lane);
+  // The next kernel may launch (a PDL one waits for this one's completion before it reads).
+  pdl_launch_dependents();
   const int mb = min(8 * NT, M - m0);
   warps_to_red<NT, W>(red, tot, warp, lane, mb);
   store_strip<T, CLUSTER, NT, W>(red, bias, out, partial, M, N, m0, mb);
@@ -412,7 +423,7 @@ cudaError_t reduce_splits(cudaError_t launched, const float* partial, const T* b
 template <typename T, int NT, int W>
 cudaError_t run_gemm(const void* x, const uint32_t* wp, const void* scales, const uint32_t* qzeros,
                      const void* bias, void* out, float* partial, int M, int N, int K, int group_size, int splits,
-                     bool cluster, cudaStream_t stream) {
+                     bool cluster, bool pdl, cudaStream_t stream) {
   const dim3 grid(splits, N / kStripN, (M + 8 * NT - 1) / (8 * NT));
   const T* xp = static_cast<const T*>(x);
   const uint4* wq = reinterpret_cast<const uint4*>(wp);
@@ -420,36 +431,38 @@ cudaError_t run_gemm(const void* x, const uint32_t* wp, const void* scales, cons
   const T* bp = static_cast<const T*>(bias);
   T* op = static_cast<T*>(out);
   if (splits > 1 && cluster) {
-    const ClusterLaunch launch(grid, dim3(W * 32), 0, stream, splits);
+    const ClusterLaunch launch(grid, dim3(W * 32), 0, stream, splits, pdl);
     return cudaLaunchKernelEx(&launch.cfg, awq_gemm_kernel<T, NT, W, true>, xp, wq, sp, qzeros, bp, op,
-                              static_cast<float*>(nullptr), M, N, K, group_size);
+                              static_cast<float*>(nullptr), M, N, K, group_size, pdl);
   }
-  awq_gemm_kernel<T, NT, W, false><<<grid, W * 32, 0, stream>>>(xp, wq, sp, qzeros, bp, op,
-                                                                 splits > 1 ? partial : nullptr, M, N, K, group_size);
-  return reduce_splits<T>(cudaGetLastError(), partial, bp, op, M, N, splits, stream);
+  const ClusterLaunch launch(grid, dim3(W * 32), 0, stream, 1, pdl);
+  float* part = splits > 1 ? partial : nullptr;
+  return reduce_splits<T>(cudaLaunchKernelEx(&launch.cfg, awq_gemm_kernel<T, NT, W, false>, xp, wq, sp, qzeros, bp,
+                                             op, part, M, N, K, group_size, pdl),
+                          partial, bp, op, M, N, splits, stream);
 }
 
 template <typename T, int W>
 cudaError_t gemm_warps(const void* x, const uint32_t* wp, const void* scales, const uint32_t* qzeros,
                        const void* bias, void* out, float* partial, int M, int N, int K, int group_size, int splits,
-                       bool cluster, cudaStream_t stream) {
+                       bool cluster, bool pdl, cudaStream_t stream) {
   switch (nt_for(M)) {
-    case 1: return run_gemm<T, 1, W>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, stream);
-    case 2: return run_gemm<T, 2, W>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, stream);
-    default: return run_gemm<T, 4, W>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, stream);
+    case 1: return run_gemm<T, 1, W>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, pdl, stream);
+    case 2: return run_gemm<T, 2, W>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, pdl, stream);
+    default: return run_gemm<T, 4, W>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, pdl, stream);
   }
 }
 
 template <typename T>
 cudaError_t gemm_dtype(const void* x, const uint32_t* wp, const void* scales, const uint32_t* qzeros,
                        const void* bias, void* out, float* partial, int M, int N, int K, int group_size, int splits,
-                       int warps, bool cluster, int device, cudaStream_t stream) {
+                       int warps, bool cluster, bool pdl, int device, cudaStream_t stream) {
   const int W = warps_for(warps, M, N, device);
   if (W == 16)  // one token tile only (warps_for)
-    return run_gemm<T, 1, 16>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, stream);
+    return run_gemm<T, 1, 16>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, pdl, stream);
   if (W == 8)
-    return gemm_warps<T, 8>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, stream);
-  return gemm_warps<T, 4>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, stream);
+    return gemm_warps<T, 8>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, pdl, stream);
+  return gemm_warps<T, 4>(x, wp, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, cluster, pdl, stream);
 }
 
 unsigned grid_for(size_t work, int threads) {
@@ -499,16 +512,17 @@ bool gemm_needs_workspace(int splits, int device, bool allow_cluster) {
 
 cudaError_t launch_gemm(DType dtype, const void* x, const uint32_t* wpacked, const void* scales,
                         const uint32_t* qzeros, const void* bias, void* out, float* partial, int M, int N, int K,
-                        int group_size, int splits, int warps, int device, bool allow_cluster, cudaStream_t stream) {
+                        int group_size, int splits, int warps, int device, bool allow_cluster, bool pdl,
+                        cudaStream_t stream) {
   if (M <= 0) return cudaSuccess;
   if (splits < 1 || splits > kMaxCluster) return cudaErrorInvalidValue;
   const bool cluster = splits > 1 && !gemm_needs_workspace(splits, device, allow_cluster);
   if (splits > 1 && !cluster && partial == nullptr) return cudaErrorInvalidValue;
   if (dtype == DType::kHalf)
     return gemm_dtype<__half>(x, wpacked, scales, qzeros, bias, out, partial, M, N, K, group_size, splits, warps,
-                              cluster, device, stream);
+                              cluster, pdl, device, stream);
   return gemm_dtype<__nv_bfloat16>(x, wpacked, scales, qzeros, bias, out, partial, M, N, K, group_size, splits,
-                                   warps, cluster, device, stream);
+                                   warps, cluster, pdl, device, stream);
 }
 
 }  // namespace awq

@@ -14,6 +14,7 @@
 #include "awq_gemm/awq_gemm.h"
 #include "awq_gemm/awq_gemm_torch.h"
 #include "common/check.h"
+#include "common/pdl.h"
 
 namespace {
 
@@ -128,7 +129,7 @@ namespace quantfuse {
 
 at::Tensor awq_gemm_cuda(const at::Tensor& x, const at::Tensor& wpacked, const at::Tensor& scales,
                          const at::Tensor& qzeros, int64_t group_size, const std::optional<at::Tensor>& bias,
-                         int64_t warps, int64_t splits, bool cluster) {
+                         int64_t warps, int64_t splits, bool cluster, int64_t pdl) {
   QF_CHECK(warps == 0 || warps == 4 || warps == 8 || warps == 16,
            "quantfuse awq_gemm: warps must be 0, 4, 8 or 16, got %lld", (long long)warps);
   QF_CHECK(splits >= 0 && splits <= 8, "quantfuse awq_gemm: splits must be 0 (automatic) or 1..8, got %lld",
@@ -176,7 +177,7 @@ at::Tensor awq_gemm_cuda(const at::Tensor& x, const at::Tensor& wpacked, const a
                                            scales.data_ptr(), reinterpret_cast<const uint32_t*>(qzeros.data_ptr<int32_t>()),
                                            bias_ptr, out.data_ptr(), partial.defined() ? partial.data_ptr<float>() : nullptr,
                                            (int)M, (int)N, (int)K, (int)group_size, nsplit, (int)warps, device, cluster,
-                                           at::cuda::getCurrentCUDAStream()),
+                                           pdl_for(pdl, device), at::cuda::getCurrentCUDAStream()),
                "awq_gemm");
   return out;
 }
@@ -201,7 +202,7 @@ TORCH_LIBRARY_FRAGMENT(quantfuse, m) {
   m.def("_awq_unrepack_cuda(Tensor packed) -> Tensor");
   m.def("_awq_dequantize_cuda(Tensor qweight, Tensor scales, Tensor qzeros, int group_size) -> Tensor");
   m.def("_awq_gemm_cuda(Tensor x, Tensor wpacked, Tensor scales, Tensor qzeros, int group_size, "
-        "Tensor? bias=None, int warps=0, int splits=0, bool cluster=True) -> Tensor");
+        "Tensor? bias=None, int warps=0, int splits=0, bool cluster=True, int pdl=-1) -> Tensor");
   m.def("_awq_gemm_splits(int M, int N, int K, bool bf16, int device, int warps=0) -> int", &awq_gemm_splits);
   m.def("_awq_gemm_folds(int M, int N, int device, int warps=0) -> bool", &awq_gemm_folds);
 }

@@ -16,10 +16,11 @@ at::Tensor awq_unrepack_cuda(const at::Tensor& packed);
 // [K, N] = (q - z) * s in the dtype of scales.
 at::Tensor awq_dequantize_cuda(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& qzeros,
                                int64_t group_size);
-// The weight-streaming kernel on a repacked weight; warps/splits 0 = chosen.
+// The weight-streaming kernel on a repacked weight; warps/splits 0 = chosen; pdl: -1 launched with
+// programmatic dependent launch where the GPU has it unless QUANTFUSE_PDL=0 (common/pdl.h), 0 off, 1 on.
 at::Tensor awq_gemm_cuda(const at::Tensor& x, const at::Tensor& wpacked, const at::Tensor& scales,
                          const at::Tensor& qzeros, int64_t group_size, const std::optional<at::Tensor>& bias,
-                         int64_t warps, int64_t splits, bool cluster);
+                         int64_t warps, int64_t splits, bool cluster, int64_t pdl = -1);
 // Hopper prefill: (wq, scales, zeros) prepared once per weight, then the CUTLASS kernel.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> awq_prepare_sm90_cuda(const at::Tensor& qweight,
                                                                      const at::Tensor& scales,

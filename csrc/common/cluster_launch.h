@@ -1,4 +1,5 @@
-// Launch configuration for cudaLaunchKernelEx with an optional (x, 1, 1) thread-block cluster.
+// Launch configuration for cudaLaunchKernelEx with an optional (x, 1, 1) thread-block cluster and
+// optional programmatic stream serialization (PDL: common/pdl.cuh).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -8,12 +9,12 @@
 namespace quantfuse {
 
 // `cfg` points into `attr`, so the object is neither copied nor moved; a cluster of 1 (or less)
-// launches without the attribute.  attr[1] is free for one more attribute (numAttrs += 1).
+// launches without the cluster attribute, pdl false without the PDL one.
 struct ClusterLaunch {
   cudaLaunchConfig_t cfg = {};
   cudaLaunchAttribute attr[2] = {};
 
-  ClusterLaunch(dim3 grid, dim3 block, size_t smem, cudaStream_t stream, int cluster_x) {
+  ClusterLaunch(dim3 grid, dim3 block, size_t smem, cudaStream_t stream, int cluster_x, bool pdl = false) {
     cfg.gridDim = grid;
     cfg.blockDim = block;
     cfg.dynamicSmemBytes = smem;
@@ -26,6 +27,11 @@ struct ClusterLaunch {
       attr[0].val.clusterDim.y = 1;
       attr[0].val.clusterDim.z = 1;
       cfg.numAttrs = 1;
+    }
+    if (pdl) {
+      attr[cfg.numAttrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attr[cfg.numAttrs].val.programmaticStreamSerializationAllowed = 1;
+      cfg.numAttrs += 1;
     }
   }
   ClusterLaunch(const ClusterLaunch&) = delete;

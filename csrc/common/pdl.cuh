@@ -1,0 +1,34 @@
+// Programmatic dependent launch (PDL, sm_90+): a kernel launched with programmatic stream
+// serialization may start while the kernel before it on the stream is still running, once that
+// one's blocks have all triggered (griddepcontrol.launch_dependents) or exited.  It must not read
+// anything the previous kernel writes before griddepcontrol.wait, which returns once the
+// previous kernels have completed and their writes are visible.  What it may do before: issue
+// L2 prefetches of its weights (L2 is the point of coherence, so a line the previous kernel
+// writes afterwards is still seen by the later loads) and compute addresses.
+//
+// On sm_80 builds, and in a kernel launched without the attribute, both instructions do nothing.
+// The host side (whether to launch with it): common/pdl.h.
+#pragma once
+
+#include <cuda_runtime.h>
+
+namespace quantfuse {
+
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
+// An L2 prefetch of the 128-byte line at p (a hint: no register written, nothing waited for).
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
+}  // namespace quantfuse
