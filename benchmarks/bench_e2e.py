@@ -23,6 +23,9 @@ records the quantizer's error).  Configs (``--configs``):
                                 linears that read one activation (``llama_shapes.gptq_act_order``)
 * ``<scheme>@inductor``         the same quantized model under plain Inductor (``--baselines-quantized``
                                 adds one for every quantized config)
+* ``<config>+no-pdl``           the config with ``QUANTFUSE_PDL=0`` while it builds, compiles and runs: no
+                                programmatic dependent launch, in our decode kernels or Inductor's (the
+                                default launches with it on sm_90+ under CUDA graphs)
 
 Two paths, each compiled with ``mode="reduce-overhead"`` (CUDA graphs):
 
@@ -246,19 +249,20 @@ def parse_config(name: str, args) -> dict:
 
     base, _, backend = name.partition("@")
     base, *variants = base.split("+")
-    act_order, lm_head = False, None
+    act_order, lm_head, pdl = False, None, "no-pdl" not in variants
+    variants = [v for v in variants if v != "no-pdl"]
     for v in variants:
         if v == "act-order" and base.startswith("awq"):
             act_order = True
         elif v.startswith("lm_head-") and v.removeprefix("lm_head-") in SCHEMES:
             lm_head = v.removeprefix("lm_head-")
         else:
-            raise ValueError(f"config {name!r}: variant {v!r}; expected 'act-order' (AWQ schemes) or "
+            raise ValueError(f"config {name!r}: variant {v!r}; expected 'act-order' (AWQ schemes), 'no-pdl' or "
                              f"'lm_head-<scheme>' with a scheme of {sorted(SCHEMES)}")
     if base in DENSE:
         if variants:
             raise ValueError(f"config {name!r}: a dense config takes no variants")
-        return dict(name=name, dtype=DENSE[base], scheme=None, backend=backend or "inductor")
+        return dict(name=name, dtype=DENSE[base], scheme=None, backend=backend or "inductor", pdl=pdl)
     if base not in SCHEMES:
         raise ValueError(f"unknown config {name!r}: expected fp16, bf16 or a scheme of {sorted(SCHEMES)}"
                          " (optionally @inductor / @quantfuse)")
@@ -266,7 +270,7 @@ def parse_config(name: str, args) -> dict:
     if backend not in ("inductor", "quantfuse"):
         raise ValueError(f"config {name!r}: backend {backend!r}; expected inductor or quantfuse")
     return dict(name=name, dtype=DTYPES[args.qdtype], scheme=base, backend=backend, act_order=act_order,
-                lm_head=lm_head)
+                lm_head=lm_head, pdl=pdl)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -850,13 +854,26 @@ def warm_up(args, meta: dict):
 
 
 def run_config(name: str, args, results: dict, state: dict):
-    dev = args.device
     res = results["configs"][name] = {"name": name, "run": results["meta"]["run_id"]}
     try:
         cfg = parse_config(name, args)
     except Exception as exc:
-        record_error(res, exc, state, dev)
+        record_error(res, exc, state, args.device)
         return
+    previous = os.environ.get("QUANTFUSE_PDL")
+    if not cfg["pdl"]:
+        os.environ["QUANTFUSE_PDL"] = "0"
+    try:
+        _run_config(name, args, results, state, cfg, res)
+    finally:
+        if previous is None:
+            os.environ.pop("QUANTFUSE_PDL", None)
+        else:
+            os.environ["QUANTFUSE_PDL"] = previous
+
+
+def _run_config(name: str, args, results: dict, state: dict, cfg: dict, res: dict):
+    dev = args.device
     res.update(dtype=str(cfg["dtype"]).replace("torch.", ""), scheme=cfg["scheme"], backend=cfg["backend"])
     torch._dynamo.reset()
     from torch._dynamo.utils import counters

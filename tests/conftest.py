@@ -98,6 +98,30 @@ def poison(shape, dtype) -> None:
     del t
 
 
+def _written_by_a_kernel(src: torch.Tensor) -> torch.Tensor:
+    """A copy of ``src`` that an elementwise kernel writes (an xor with 0 on its bits)."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[src.element_size()]
+    return torch.bitwise_xor(src.view(ints), 0).view(src.dtype)
+
+
+def assert_pdl_on_off_equal(run, src: torch.Tensor, refresh) -> None:
+    """``run(a, pdl)`` (a decode kernel's private op) launched with programmatic dependent launch
+    (``pdl=1``; where the GPU has it) and without (``pdl=0``) gives the same bits: eagerly, and in a
+    CUDA graph where the kernel just before writes its activation ``a`` (it must wait for it) and one
+    after reads its output, over three replays with ``src`` refreshed by ``refresh()``."""
+    assert torch.equal(run(src, 1), run(src, 0)), "pdl on and off differ"
+    for pdl in (0, 1):
+        run(_written_by_a_kernel(src), pdl)  # warm-up outside the graph
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            after = _written_by_a_kernel(run(_written_by_a_kernel(src), pdl))
+        for _ in range(3):
+            src.copy_(refresh())
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(after, run(src, 0)), f"pdl={pdl}: the graph's result differs"
+
+
 def kernel_names(fn) -> list[str]:
     """Names of the CUDA kernels ``fn()`` launches (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile

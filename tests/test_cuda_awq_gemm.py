@@ -14,7 +14,16 @@ import logging
 import pytest
 import torch
 from awq_data import check_close, folds, make_awq, make_x, op_exact, reference64
-from conftest import AWQ_DECODE_MAX_M, AWQ_KERNEL_MAX_M, DEV, HOPPER, awq_kernel_reason, kernel_names, poison
+from conftest import (
+    AWQ_DECODE_MAX_M,
+    AWQ_KERNEL_MAX_M,
+    DEV,
+    HOPPER,
+    assert_pdl_on_off_equal,
+    awq_kernel_reason,
+    kernel_names,
+    poison,
+)
 
 import compile_backend
 from compile_backend.ops import AWQ_SHIFTS
@@ -437,29 +446,14 @@ def test_act_order_kernel_op_and_graph():
 @pytest.mark.parametrize("M", [1, 16])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_pdl_on_and_off_equal(M, dtype):
-    """The streaming kernel launched with programmatic dependent launch (``pdl=1``, where the GPU has it)
-    and without (``pdl=0``) gives the same bits: eagerly, and in a CUDA graph where the kernel just before
-    writes its activations (it must wait for them) and the one after reads its output, over replays with
-    new inputs."""
+    """The streaming kernel with programmatic dependent launch and without: the same bits, eagerly and
+    in CUDA graphs (``conftest.assert_pdl_on_off_equal``)."""
     gen = torch.Generator(device=DEV).manual_seed(31 + M)
     N, K = 4096, 4096
     qw, s, qz, G, q, z = make_awq(K, N, 128, dtype, gen)
     packed = repacked(qw)
-    x = make_x(M, K, dtype, gen)
 
     def gemm(a, pdl):
         return torch.ops.quantfuse._awq_gemm_cuda(a, packed, s, qz, G, None, 0, 0, True, pdl)
 
-    assert torch.equal(gemm(x, 1), gemm(x, 0))
-    src = torch.empty_like(x)
-    for pdl in (0, 1):
-        src.copy_(x)
-        gemm(src * 2, pdl)  # warm-up outside the graph
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            after = gemm(src * 2, pdl) * 1
-        for _ in range(3):
-            src.copy_(make_x(M, K, dtype, gen))
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(after, gemm(src * 2, 0)), f"pdl={pdl}: the graph's result differs"
+    assert_pdl_on_off_equal(gemm, make_x(M, K, dtype, gen), lambda: make_x(M, K, dtype, gen))

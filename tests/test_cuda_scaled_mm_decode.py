@@ -20,6 +20,7 @@ from conftest import (
     DECODE_MAX_M,
     INS,
     OUTS,
+    assert_pdl_on_off_equal,
     check_w8a8,
     kernel_names,
     load_cuda_kernels,
@@ -242,6 +243,20 @@ def test_cuda_graph_capture_and_replay(in_dtype):
         g.replay()
         torch.cuda.synchronize()
         check_w8a8(out, w8a8_reference64(a, b, sa, sb, bias), torch.bfloat16, in_dtype)
+
+
+@pytest.mark.parametrize("in_dtype", INS, ids=["int8", "fp8"])
+@pytest.mark.parametrize("M", [1, 16])
+def test_pdl_on_and_off_equal(in_dtype, M):
+    """The decode kernel with programmatic dependent launch and without: the same bits, eagerly and in
+    CUDA graphs (``conftest.assert_pdl_on_off_equal``)."""
+    if not _cap_ok(in_dtype):
+        pytest.skip(f"{in_dtype} needs a newer GPU")
+    N, K = 4096, 4096
+    a, b, sa, sb, bias, _, _ = make(M, N, K, in_dtype, torch.bfloat16, True, True, True)
+    assert_pdl_on_off_equal(
+        lambda x, pdl: torch.ops.quantfuse._scaled_mm_decode_tune(x, b, sa, sb, torch.bfloat16, bias, -1, -1, -1, pdl),
+        a, lambda: rand_q((M, K), in_dtype))
 
 
 def test_public_ops_route_small_m_to_decode():

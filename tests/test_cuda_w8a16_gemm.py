@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEV, HOPPER, kernel_names, poison
+from conftest import DEV, HOPPER, assert_pdl_on_off_equal, kernel_names, poison
 
 import compile_backend
 from compile_backend.ops import QuantfuseInputError
@@ -171,6 +171,17 @@ def test_cuda_graph_capture(M):
         graph.replay()
         torch.cuda.synchronize()
         check(out, new_x, w, s, b, f"graph replay M={M}")
+
+
+@pytest.mark.parametrize("M", [1, 16])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_pdl_on_and_off_equal(M, dtype):
+    """The decode kernel with programmatic dependent launch and without: the same bits, eagerly and in
+    CUDA graphs (``conftest.assert_pdl_on_off_equal``)."""
+    x, w, s, b = make(M, 4096, 4096, dtype, seed=40 + M)
+    seeds = iter(range(50, 60))
+    assert_pdl_on_off_equal(lambda a, pdl: torch.ops.quantfuse._w8a16_decode_cuda(a, w, s, b, -1, -1, -1, pdl),
+                            x, lambda: make(M, 4096, 4096, dtype, seed=next(seeds))[0])
 
 
 def test_autograd_through_the_op():

@@ -12,6 +12,8 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
+
 namespace quantfuse {
 
 __device__ __forceinline__ void pdl_wait() {
@@ -29,6 +31,15 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 // An L2 prefetch of the 128-byte line at p (a hint: no register written, nothing waited for).
 __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
+// The decode kernels' weight rows: lane (g, t) holds the pointers of rows g and g + 8 at byte 16t of
+// a chunk.  Asks the bytes [lo, hi) of both rows into L2, lane t taking every fourth 128-byte line.
+__device__ __forceinline__ void prefetch_rows_l2(const uint8_t* const (&wrow)[2], int t, int64_t lo, int64_t hi) {
+  lo &= ~int64_t(127);
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+    for (int64_t off = lo + t * 128; off < hi; off += 512) prefetch_l2(wrow[h] - t * 16 + off);
 }
 
 }  // namespace quantfuse

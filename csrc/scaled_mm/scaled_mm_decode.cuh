@@ -48,6 +48,7 @@
 #include <type_traits>
 
 #include "common/cluster_launch.h"
+#include "common/pdl.cuh"
 #include "common/decode_reduce.cuh"
 #include "common/mma.cuh"
 #include "common/stream_load.h"
@@ -179,6 +180,7 @@ struct KernelArgs {
   int64_t lda, ldb, ldd;
   int splits;           // CTAs per cluster along K (gridDim.x = splits * N / 16 rounded up)
   int chunks_per_part;  // 64-byte K chunks per (CTA, warp)
+  bool pdl;             // launched with PDL: weights asked into L2 before waiting for the previous kernel
 };
 
 // The 8-bit operand type of the kernel's m16n8k32 (common/mma.cuh).
@@ -264,6 +266,10 @@ __global__ void __launch_bounds__(kMaxWarps * 32, (NT == 1 || kBatch <= 2) ? 2 :
     }
   };
 
+  // Nothing the previous kernel writes (activations, their scales) is read before pdl_wait.
+  if (args.pdl) prefetch_rows_l2(wrow, t, int64_t(c0) * kChunkBytes, min(int64_t(c_end) * kChunkBytes, int64_t(K)));
+  pdl_wait();
+
   // Double-buffered batches: the next batch's loads are all issued before this one's mma.
   Batch<kBatch, NT> b0, b1;
   load(b0, c0);
@@ -273,6 +279,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, (NT == 1 || kBatch <= 2) ? 2 :
     load(b0, c + 2 * kBatch);
     use(b1, c + kBatch);
   }
+  pdl_launch_dependents();
 
   store_partials<NT>(smem, warp, lane, acc);
   reduce_partials<NT, Acc>(smem, S, rank, warps, M, N, n0, [&](int m, int nl, Acc sum) {
@@ -298,6 +305,7 @@ int launch_one(const ScaledMmParams& p, const DecodeConfig& c, int* cuda_error) 
   args.ldd = p.ldd;
   args.splits = c.splits;
   args.chunks_per_part = c.chunks_per_part;
+  args.pdl = p.pdl;
   const Epi epi = Epi::make(p);
   const int row_blocks = static_cast<int>((p.N + kRowsPerWarp - 1) / kRowsPerWarp);
   auto* kernel = scaled_mm_decode_kernel<kFp8, NT, kBatch, Out, Epi>;
@@ -305,7 +313,7 @@ int launch_one(const ScaledMmParams& p, const DecodeConfig& c, int* cuda_error) 
   cudaError_t err = cudaSuccess;
 
   const ClusterLaunch launch(dim3(static_cast<unsigned>(row_blocks) * c.splits, 1, 1), dim3(32 * c.warps, 1, 1),
-                             static_cast<size_t>(smem), static_cast<cudaStream_t>(p.stream), c.splits);
+                             static_cast<size_t>(smem), static_cast<cudaStream_t>(p.stream), c.splits, p.pdl);
   if (err == cudaSuccess) err = cudaLaunchKernelEx(&launch.cfg, kernel, args, epi);
   if (err == cudaSuccess) err = cudaGetLastError();
   if (err != cudaSuccess) {

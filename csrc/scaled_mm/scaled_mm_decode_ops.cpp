@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "common/check.h"
+#include "common/pdl.h"
 #include "scaled_mm/qdtype_torch.h"
 #include "scaled_mm/scaled_mm_decode.h"
 #include "scaled_mm/scaled_mm_torch.h"
@@ -50,7 +51,7 @@ namespace quantfuse {
 at::Tensor scaled_mm_decode(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a, const at::Tensor& scale_b,
                   at::ScalarType out_dtype, const std::optional<at::Tensor>& bias,
                   const std::optional<at::Tensor>& azp_adj, const std::optional<at::Tensor>& azp, int64_t splits,
-                  int64_t warps, int64_t batch) {
+                  int64_t warps, int64_t batch, int64_t pdl) {
   if (!a.is_cuda() || !b.is_cuda() || a.device() != b.device()) DECODE_FAIL("a and b must be on one CUDA device");
   if (a.dim() != 2 || b.dim() != 2 || a.size(1) != b.size(0))
     DECODE_FAIL("a (%lld-D) and b (%lld-D) are not [M, K] x [K, N]", ll(a.dim()), ll(b.dim()));
@@ -118,6 +119,7 @@ at::Tensor scaled_mm_decode(const at::Tensor& a, const at::Tensor& b, const at::
   }
   p.device = a.get_device();
   p.stream = at::cuda::getCurrentCUDAStream(a.get_device()).stream();
+  p.pdl = pdl_for(pdl, p.device);
 
   const qd::DecodeConfig config = qd::choose_config(N, K, props->multiProcessorCount, cc >= 90, static_cast<int>(splits),
                                                     static_cast<int>(warps), static_cast<int>(batch));
@@ -142,11 +144,13 @@ at::Tensor scaled_mm_decode_cuda(const at::Tensor& a, const at::Tensor& b, const
   return quantfuse::scaled_mm_decode(a, b, scale_a, scale_b, out_dtype, bias, azp_adj, azp, splits, -1, -1);
 }
 
-// Benchmarks: every knob of the work split forced (-1: chosen).
+// Benchmarks and tests: every knob of the work split forced, and PDL (-1: chosen).
 at::Tensor scaled_mm_decode_tune(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
                                  const at::Tensor& scale_b, at::ScalarType out_dtype,
-                                 const std::optional<at::Tensor>& bias, int64_t splits, int64_t warps, int64_t batch) {
-  return quantfuse::scaled_mm_decode(a, b, scale_a, scale_b, out_dtype, bias, std::nullopt, std::nullopt, splits, warps, batch);
+                                 const std::optional<at::Tensor>& bias, int64_t splits, int64_t warps, int64_t batch,
+                                 int64_t pdl) {
+  return quantfuse::scaled_mm_decode(a, b, scale_a, scale_b, out_dtype, bias, std::nullopt, std::nullopt, splits, warps,
+                                     batch, pdl);
 }
 
 // The work split the op would use (benchmarks, notes): [splits, warps, chunks_per_part, batch].
@@ -165,7 +169,7 @@ TORCH_LIBRARY_FRAGMENT(quantfuse, m) {
       "Tensor? bias=None, Tensor? azp_adj=None, Tensor? azp=None, int splits=-1) -> Tensor");
   m.def(
       "_scaled_mm_decode_tune(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, ScalarType out_dtype, "
-      "Tensor? bias=None, int splits=-1, int warps=-1, int batch=-1) -> Tensor");
+      "Tensor? bias=None, int splits=-1, int warps=-1, int batch=-1, int pdl=-1) -> Tensor");
   m.def("_scaled_mm_decode_config(int N, int K, int splits=-1) -> int[]", &scaled_mm_decode_config);
 }
 

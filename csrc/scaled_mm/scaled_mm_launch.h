@@ -44,6 +44,7 @@ struct ScaledMmParams {
   int raster = 0;
   int device = 0;
   void* stream = nullptr;  // cudaStream_t
+  bool pdl = false;        // the decode kernel launched with programmatic dependent launch (common/pdl.cuh)
   QWorkspaceAlloc alloc = nullptr;
   void* alloc_ctx = nullptr;
 };

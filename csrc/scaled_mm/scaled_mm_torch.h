@@ -22,7 +22,7 @@ at::Tensor scaled_mm_cutlass(const at::Tensor& a, const at::Tensor& b, const at:
 at::Tensor scaled_mm_decode(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
                             const at::Tensor& scale_b, at::ScalarType out_dtype, const std::optional<at::Tensor>& bias,
                             const std::optional<at::Tensor>& azp_adj, const std::optional<at::Tensor>& azp,
-                            int64_t splits, int64_t warps, int64_t batch);
+                            int64_t splits, int64_t warps, int64_t batch, int64_t pdl = -1);
 
 // quantfuse::scaled_mm / scaled_mm_azp on CUDA: the kernel for these operands (copying them
 // to the layout it reads where they are not in it), or the reference with the reason.

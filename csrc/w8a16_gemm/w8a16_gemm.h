@@ -31,6 +31,7 @@ struct Params {
   bool scale_f32 = true;
   bool scale_per_channel = true;
   void* stream = nullptr;  // cudaStream_t
+  bool pdl = false;        // the decode kernel launched with programmatic dependent launch (common/pdl.cuh)
 };
 
 // ---------------------------------------------------------------- decode kernel (M <= kMaxM)

@@ -10,6 +10,7 @@
 #include <optional>
 
 #include "common/check.h"
+#include "common/pdl.h"
 #include "common/launch_dtype.h"
 #include "common/sm_count.h"
 #include "w8a16_gemm/w8a16_gemm.h"
@@ -70,10 +71,12 @@ void check_status(int status, int cuda_error, const char* what) {
 }  // namespace
 
 at::Tensor w8a16_decode_cuda(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_scale,
-                             const std::optional<at::Tensor>& bias, int64_t splits, int64_t warps, int64_t batch) {
+                             const std::optional<at::Tensor>& bias, int64_t splits, int64_t warps, int64_t batch,
+                             int64_t pdl) {
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor y = at::empty({x.size(0), w_q.size(0)}, x.options());
-  const w8a16::Params p = params(x, w_q, w_scale, bias, y);
+  w8a16::Params p = params(x, w_q, w_scale, bias, y);
+  p.pdl = pdl_for(pdl, x.device().index());
   const int64_t esize = x.element_size();
   const int64_t max_m = p.dtype == Dt::kF32 ? w8a16::kMaxM : kDecodeKernelMaxM;
   QF_CHECK(p.M >= 1 && p.M <= max_m, "quantfuse w8a16 decode: M = %lld; expected 1..%lld", (long long)p.M,
@@ -121,7 +124,7 @@ at::Tensor w8a16_prefill_cuda(const at::Tensor& x, const at::Tensor& w_q, const 
 
 TORCH_LIBRARY_FRAGMENT(quantfuse, m) {
   m.def("_w8a16_decode_cuda(Tensor x, Tensor w_q, Tensor w_scale, Tensor? bias=None, int splits=-1, "
-        "int warps=-1, int batch=-1) -> Tensor");
+        "int warps=-1, int batch=-1, int pdl=-1) -> Tensor");
   m.def("_w8a16_prefill_cuda(Tensor x, Tensor w_q, Tensor w_scale, Tensor? bias=None) -> Tensor");
 }
 

@@ -12,9 +12,10 @@ namespace quantfuse {
 
 // The weight-streaming decode kernel: K % 16 == 0, 16-byte aligned x and w_q rows, 1 <= M <= 16
 // (float32) or 256 (float16 / bfloat16, in slices of 16 tokens); splits / warps / batch > 0
-// force the work split and the load batching (tests, benchmarks).
+// force the work split and the load batching (tests, benchmarks); pdl as common/pdl.h's pdl_for.
 at::Tensor w8a16_decode_cuda(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_scale,
-                             const std::optional<at::Tensor>& bias, int64_t splits, int64_t warps, int64_t batch);
+                             const std::optional<at::Tensor>& bias, int64_t splits, int64_t warps, int64_t batch,
+                             int64_t pdl = -1);
 // Any M: w_q converted to x's dtype (exact; the cast kernel), cuBLAS with a float32 result, then the epilogue
 // kernel (scale, bias, one rounding).
 at::Tensor w8a16_prefill_cuda(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_scale,
