@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from typing import Any
 
 import torch
@@ -213,28 +212,19 @@ def quantfuse(gm: torch.fx.GraphModule, example_inputs, options: dict | None = N
         return _compile(gm, example_inputs, ours, inductor_patches)
 
 
-PDL_ENV = "QUANTFUSE_PDL"  # "0": no programmatic dependent launch (Inductor's kernels and ours)
-
-
-def pdl_allowed_by_env() -> bool:
-    value = os.environ.get(PDL_ENV, "").strip()
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{PDL_ENV}={value!r}; expected '0' (off) or '1' (on where the GPU has it, the default)")
-    return value != "0"
-
-
 def with_pdl(patches: dict, example_inputs, wanted: bool) -> dict:
     """``patches`` plus Inductor's ``triton.enable_pdl`` where the graph runs as CUDA graphs on sm_90 or
     later (the ``pdl`` option's doc); unchanged where a patch already says, or this torch lacks it."""
     from torch._inductor import config as inductor_config
 
     from compile_backend.derived import uses_cuda_graphs
+    from compile_backend.kernels import pdl
 
     if (not wanted or "triton.enable_pdl" in patches or not hasattr(inductor_config.triton, "enable_pdl")
-            or not uses_cuda_graphs(patches) or not pdl_allowed_by_env()):
+            or not uses_cuda_graphs(patches)):
         return patches
     devices = {t.device for t in example_inputs if isinstance(t, torch.Tensor) and t.is_cuda}
-    if not devices or any(torch.cuda.get_device_capability(d)[0] < 9 for d in devices):
+    if not devices or not all(pdl.enabled(d) for d in devices):
         return patches
     return {**patches, "triton.enable_pdl": True}
 

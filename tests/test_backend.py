@@ -14,6 +14,7 @@ from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import compile_backend.backend as backend
+from compile_backend.kernels import pdl
 from compile_backend.passes import make_graph_passes
 
 
@@ -320,9 +321,9 @@ def test_pdl_patch(monkeypatch, case, capability, env, patches, wanted, expected
         pytest.skip("this torch's Inductor has no triton.enable_pdl")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     if env is None:
-        monkeypatch.delenv(backend.PDL_ENV, raising=False)
+        monkeypatch.delenv(pdl.ENV, raising=False)
     else:
-        monkeypatch.setenv(backend.PDL_ENV, env)
+        monkeypatch.setenv(pdl.ENV, env)
     out = backend.with_pdl(dict(patches), _fake_cuda_inputs(), wanted)
     assert out.get("triton.enable_pdl") is expected, case
     assert "triton.enable_pdl" not in backend.with_pdl(dict(patches), [torch.empty(4)], wanted) or \
@@ -330,6 +331,6 @@ def test_pdl_patch(monkeypatch, case, capability, env, patches, wanted, expected
 
 
 def test_pdl_env_checked(monkeypatch):
-    monkeypatch.setenv(backend.PDL_ENV, "off")
+    monkeypatch.setenv(pdl.ENV, "off")
     with pytest.raises(ValueError, match="QUANTFUSE_PDL='off'; expected '0'"):
-        backend.pdl_allowed_by_env()
+        pdl.allowed_by_env()

@@ -9,6 +9,10 @@ values per query head (the online softmax). The second kernel rescales the slice
 common maximum and divides. One token of one key/value head is too little work to keep an SM
 busy, so the cache is split until about two programs per SM run.
 
+With programmatic dependent launch (``kernels/pdl.py``: sm_90+, unless ``QUANTFUSE_PDL=0``) both
+kernels launch while the kernel before them finishes: each waits (``gdc_wait``) before its first load,
+and lets the next one launch after its main loop (``gdc_launch_dependents``).
+
 Imported only where Triton is (a CUDA build of torch); the op's other paths need none of it.
 """
 
@@ -18,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..kernels import pdl
+
 BLOCK_L = 64  # cache positions per step of a program
 LOG2E = tl.constexpr(1.4426950408889634)  # scores are kept in base 2: exp(x) = exp2(x * log2(e))
 
@@ -26,7 +32,9 @@ LOG2E = tl.constexpr(1.4426950408889634)  # scores are kept in base 2: exp(x) = 
 def _gqa_decode_split(q_ptr, k_ptr, v_ptr, m_ptr, part_o, part_ml, L, chunk, qk_scale,
                       sq_b, sq_h, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l, sm_b, sm_h, sm_l, HKV,
                       N: tl.constexpr, NP: tl.constexpr, D: tl.constexpr, BL: tl.constexpr,
-                      S, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr):
+                      S, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:  # q, k and v are the previous kernels' outputs
+        tl.extra.cuda.gdc_wait()
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // HKV
@@ -63,6 +71,8 @@ def _gqa_decode_split(q_ptr, k_ptr, v_ptr, m_ptr, part_o, part_ml, L, chunk, qk_
         v = tl.load(v_ptr + b * sv_b + h * sv_h + offs[:, None] * sv_l + rd[None, :], mask=valid[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     row = (bh * S + split) * NP + rn
     tl.store(part_o + row[:, None] * D + rd[None, :], acc)
     tl.store(part_ml + row * 2, m_i)
@@ -71,7 +81,9 @@ def _gqa_decode_split(q_ptr, k_ptr, v_ptr, m_ptr, part_o, part_ml, L, chunk, qk_
 
 @triton.jit
 def _gqa_decode_combine(part_o, part_ml, out_ptr, so_b, so_h, HKV, S,
-                        N: tl.constexpr, NP: tl.constexpr, D: tl.constexpr, SP: tl.constexpr):
+                        N: tl.constexpr, NP: tl.constexpr, D: tl.constexpr, SP: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:  # the split kernel's partial results
+        tl.extra.cuda.gdc_wait()
     bh = tl.program_id(0)
     j = tl.program_id(1)
     b = bh // HKV
@@ -85,6 +97,8 @@ def _gqa_decode_combine(part_o, part_ml, out_ptr, so_b, so_h, HKV, S,
     m_max = tl.where(m_max == -float("inf"), 0.0, m_max)
     w = tl.exp2(m - m_max)
     o = tl.load(part_o + row[:, None] * D + rd[None, :], mask=(rs < S)[:, None], other=0.0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     out = tl.sum(o * w[:, None], 0) / tl.sum(sums * w, 0)
     tl.store(out_ptr + b * so_b + (h * N + j) * so_h + rd, out.to(out_ptr.dtype.element_ty))
 
@@ -109,12 +123,15 @@ def gqa_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     else:
         m = mask.expand(B, H, 1, L)  # a view: a shared head dimension gets stride 0
         mask_arg, (sm_b, sm_h, _, sm_l) = m, m.stride()
+    use_pdl = pdl.enabled(q.device)
     _gqa_decode_split[(B * Hkv, S)](
         q, k, v, mask_arg, part_o, part_ml, L, chunk, scale * LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         sm_b, sm_h, sm_l, Hkv,
         N=n, NP=NP, D=D, BL=BLOCK_L, S=S, HAS_MASK=mask is not None,
-        MASK_BOOL=mask is not None and mask.dtype == torch.bool, num_warps=4, num_stages=2)
+        MASK_BOOL=mask is not None and mask.dtype == torch.bool, USE_PDL=use_pdl, num_warps=4, num_stages=2,
+        launch_pdl=use_pdl)
     _gqa_decode_combine[(B * Hkv, n)](part_o, part_ml, out, out.stride(0), out.stride(1), Hkv, S,
-                                      N=n, NP=NP, D=D, SP=triton.next_power_of_2(S), num_warps=4)
+                                      N=n, NP=NP, D=D, SP=triton.next_power_of_2(S), USE_PDL=use_pdl, num_warps=4,
+                                      launch_pdl=use_pdl)
     return out
