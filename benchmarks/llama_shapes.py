@@ -74,7 +74,10 @@ def gptq_act_order(layer, seed: int = 0):
     """A decoder layer quantized to AWQLinear (``quantize_model(layer, "awq-g…")``) as a GPTQ ``desc_act``
     checkpoint loads: each linear rebuilt from its state with a random input-channel order (``perm``; the
     rows as stored, each group contiguous), the linears that read one activation sharing one order, as
-    ``compile_backend.checkpoints.gptq`` makes them; then their storage merged as ``quantize_model``'s is."""
+    ``compile_backend.checkpoints.gptq`` makes them; then, as ``from_pretrained`` does, down_proj's order
+    moved into gate_proj's and up_proj's columns (``quantize/act_order.py``) and their storage merged as
+    ``quantize_model``'s is."""
+    from compile_backend.quantize.act_order import fold_mlp_orders
     from compile_backend.quantize.merged import share_input_storage
     from compile_backend.quantize.modules import AWQLinear, set_tensors
 
@@ -95,5 +98,6 @@ def gptq_act_order(layer, seed: int = 0):
                 set_tensors(rebuilt, perm=held)
             parent, _, attr = name.rpartition(".")
             setattr(layer.get_submodule(parent), attr, rebuilt.to(module.scales.device))
+    fold_mlp_orders(layer)
     share_input_storage(layer)
     return layer

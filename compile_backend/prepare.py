@@ -34,6 +34,7 @@ from torch import nn
 
 from .ops.awq_gemm import AWQ_ACT_DTYPES, AWQ_PACK
 from .quantize import AWQLinear, share_input_storage
+from .quantize.act_order import fold_mlp_orders
 
 log = logging.getLogger("quantfuse")
 
@@ -145,5 +146,6 @@ def prepare(model: nn.Module) -> list[str]:
             replaced.append(full)
             log.info("quantfuse prepare: %s (%s) -> AWQLinear", full, type(child).__name__)
     if replaced:
+        fold_mlp_orders(model)  # act-order: down_proj's gather moved into gate/up's columns where it can be
         share_input_storage(model)
     return replaced

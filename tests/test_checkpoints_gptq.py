@@ -158,8 +158,23 @@ def in_input_order(mod: AWQLinear, rows: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def folded_order(layers, name, group, act_order_layers) -> torch.Tensor | None:
+    """The order ``from_pretrained`` moved from ``name``'s MLP's ``down_proj`` into its ``gate_proj`` and
+    ``up_proj`` columns (``quantize/act_order.py``: the stable sort of down_proj's ``g_idx``), or None."""
+    mlp, _, leaf = name.rpartition(".")
+    if leaf not in ("gate_proj", "up_proj", "down_proj") or int(name.split(".")[2]) not in act_order_layers:
+        return None
+    g_idx = layers[f"{mlp}.down_proj"][3]
+    K = g_idx.shape[0]
+    if K // (K if group == -1 else group) == 1:
+        return None
+    return torch.sort(g_idx.long(), stable=True).indices
+
+
 def check_layers(model, layers, group, act_order_layers):
-    """Every linear an ``AWQLinear`` holding exactly the written integers and scales (see the module doc)."""
+    """Every linear an ``AWQLinear`` holding exactly the written integers and scales (see the module doc);
+    where ``down_proj``'s act-order was folded (``folded_order``), ``gate_proj`` and ``up_proj`` hold their
+    columns in its order and ``down_proj`` its rows sorted, without ``perm``."""
     mods = {n: m for n, m in model.named_modules() if isinstance(m, AWQLinear)}
     assert sorted(mods) == sorted(layers)
     assert isinstance(model.lm_head, torch.nn.Linear)
@@ -170,6 +185,13 @@ def check_layers(model, layers, group, act_order_layers):
         G = K if group == -1 else group
         assert mod.group_size == G, name
         act_order = int(name.split(".")[2]) in act_order_layers and K // G > 1  # one group: nothing to reorder
+        order = folded_order(layers, name, group, act_order_layers)
+        if order is not None and name.endswith("down_proj"):
+            # its rows sorted by group once, multiplying the input as gate/up now produce it
+            q, z, s, g_idx = q[order], z, s, g_idx[order]
+            act_order = False
+        elif order is not None:  # output columns in down_proj's order
+            q, z, s, b = q[:, order], z[:, order], s[:, order], None if b is None else b[order]
         assert (mod.perm is not None) == act_order, name
         assert {k for k, v in mod.named_parameters()} == {"qweight", "qzeros", "scales"} | (
             {"perm"} if mod.perm is not None else set()) | ({"bias"} if b is not None else set()), name
@@ -353,14 +375,14 @@ def test_gptq_int8_bad_tensors(tmp_path, how, match):
 
 def test_act_order_layer_state_dict_round_trip(tmp_path):
     folder, layers = write_gptq(str(tmp_path / "sd"), desc_act=True, bias=True)
-    mod = from_pretrained(folder).model.layers[0].mlp.down_proj
+    mod = from_pretrained(folder).model.layers[0].mlp.up_proj
     sd = mod.state_dict()
     assert list(sd) == ["qweight", "qzeros", "scales", "bias", "perm"] and sd["perm"].dtype == torch.int32
-    x = torch.randn(2, 5, 256, generator=torch.Generator().manual_seed(3)).to(torch.float16)
+    x = torch.randn(2, 5, 128, generator=torch.Generator().manual_seed(3)).to(torch.float16)
     with torch.no_grad():
         want = mod(x)
         again = AWQLinear.from_state_dict(sd)
-        fresh = AWQLinear(256, 128, group_size=32, act_order=True)
+        fresh = AWQLinear(128, 256, group_size=32, act_order=True)
         fresh.load_state_dict(sd)
         for other in (again, fresh):
             assert other.perm is not None and torch.equal(other.perm, mod.perm)
@@ -370,7 +392,7 @@ def test_act_order_layer_state_dict_round_trip(tmp_path):
             assert converted.perm.dtype == torch.int32 and torch.equal(converted.perm, mod.perm)
     assert "act_order=True" in repr(mod)
     with pytest.raises(ValueError, match=r"'perm'.*permutation"):
-        AWQLinear.from_state_dict({**sd, "perm": torch.zeros(256, dtype=torch.int64)})
+        AWQLinear.from_state_dict({**sd, "perm": torch.zeros(128, dtype=torch.int64)})
 
 
 def test_act_order_layer_tensor_parallel_shards(tmp_path):

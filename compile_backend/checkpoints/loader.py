@@ -9,6 +9,7 @@ from collections import Counter
 
 import torch
 
+from ..quantize.act_order import fold_mlp_orders
 from ..quantize.merged import share_input_storage
 from . import files
 from . import model as skeleton_ops
@@ -149,6 +150,7 @@ def from_pretrained(path, dtype=None, device=None, mesh=None, tp_plan=None):
     if os.path.isfile(os.path.join(folder, "generation_config.json")):
         model.generation_config = transformers.GenerationConfig.from_pretrained(folder)
     model.to(device).eval()
+    fold_mlp_orders(model)  # act-order: down_proj's gather moved into gate/up's columns where it can be
     counts = Counter(p.scheme for p in plans.values())
     log.info("loaded %s: %s", folder, "; ".join(f"{n} x {s}" for s, n in counts.items()))
     if mesh is not None:

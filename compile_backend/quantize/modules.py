@@ -379,8 +379,9 @@ class AWQLinear(_HoldsTensors):
     ``qweight``'s rows are the input channels reordered so that each group is contiguous, and
     ``perm`` (int32 ``[K]``, a held tensor like the others) says which: row ``j`` is input channel
     ``perm[j]``.  ``forward`` writes the gather (``x.index_select(-1, perm)``) before the AWQ matmul;
-    the AWQ pass folds it into the op (``quantfuse::awq_gemm``'s ``perm``), whose kernels read the
-    activation through the permutation, and the eager CUDA path calls the op with it.
+    the AWQ pass folds it into the op (``quantfuse::awq_gemm``'s ``perm``, which gathers the activation
+    before its kernels), and the eager CUDA path calls the op with it.  In a gated MLP ``down_proj``'s
+    order is moved into ``gate_proj``'s and ``up_proj``'s output columns instead (``act_order.py``).
     ``dequantized_weight`` is in the stored (reordered) row order.  Without act-order ``perm`` is
     None and the layer is as before (same ``state_dict`` keys).
 
