@@ -92,6 +92,17 @@ def test_fold_left_alone_where_the_output_would_move(caplog):
     assert torch.equal(probe(mlp), before)
 
 
+def test_fold_keeps_a_float32_models_output_dtype():
+    mlp = GatedMLP().float()  # the layers keep float16 scales and compute in them, casting to float32
+    before = probe(mlp)
+    assert fold_mlp_orders(mlp) == [""]
+    assert all(getattr(mlp, n).out_dtype == torch.float32 for n in ("gate_proj", "up_proj", "down_proj"))
+    x = torch.randn(5, H, generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        assert mlp(x).dtype == torch.float32
+    assert torch.allclose(probe(mlp), before, rtol=0, atol=16 * 2**-10 * before.abs().max().item())
+
+
 def test_fold_needs_the_three_awq_layers():
     mlp = GatedMLP(shared=False)
     mlp.up_proj = nn.Linear(H, INTER).half()

@@ -40,6 +40,7 @@ def columns_permuted(layer: AWQLinear, order: torch.Tensor) -> AWQLinear:
     if layer.bias is not None:
         state["bias"] = layer.bias.index_select(0, order)
     permuted = AWQLinear.from_state_dict(state)
+    permuted.out_dtype = layer.out_dtype
     # The same perm tensor, not a copy: layers that share an input share it (horizontal.py merges them).
     return permuted if layer.perm is None else set_tensors(permuted, perm=layer.perm)
 
@@ -59,15 +60,15 @@ def _fold_reason(mlp: nn.Module) -> str | None:
         return f"gate_proj / up_proj give {gate.out_features} / {up.out_features} features, down_proj takes " \
                f"{down.in_features}"
     dtype, device = down.scales.dtype, down.scales.device
-    try:
-        before = _probe_output(mlp, gate.in_features, dtype, device)
+    try:  # in the model's activation dtype (the layers' outputs)
+        before = _probe_output(mlp, gate.in_features, gate.out_dtype, device)
     except Exception as exc:  # a module that cannot run on a [3, hidden] input is left alone
         return f"running it on a probe input raised {type(exc).__name__}: {exc}"
     new = {"gate_proj": columns_permuted(gate, down.perm), "up_proj": columns_permuted(up, down.perm),
            "down_proj": _without_perm(down)}
     for name, layer in new.items():
         setattr(mlp, name, layer)
-    after = _probe_output(mlp, gate.in_features, dtype, device)
+    after = _probe_output(mlp, gate.in_features, gate.out_dtype, device)
     err = (after - before).abs().max().item()
     tol = 16 * torch.finfo(dtype).eps * max(before.abs().max().item(), 1e-3)
     if after.shape == before.shape and err <= tol:
@@ -83,7 +84,9 @@ def _without_perm(layer: AWQLinear) -> AWQLinear:
     state = {"qweight": layer.awq_qweight(), "qzeros": layer.qzeros, "scales": layer.scales}
     if layer.bias is not None:
         state["bias"] = layer.bias
-    return AWQLinear.from_state_dict(state)
+    plain = AWQLinear.from_state_dict(state)
+    plain.out_dtype = layer.out_dtype
+    return plain
 
 
 def fold_mlp_orders(model: nn.Module) -> list[str]:
