@@ -93,7 +93,7 @@ def fold_mlp_orders(model: nn.Module) -> list[str]:
     """Moves each gated MLP's ``down_proj`` act-order into its ``gate_proj`` and ``up_proj`` columns (module
     doc), in place.  Returns the names of the MLPs folded."""
     folded = []
-    for name, module in model.named_modules():
+    for name, module in list(model.named_modules()):  # the loop replaces children
         layers = [getattr(module, n, None) for n in GATED]
         if not all(isinstance(m, AWQLinear) for m in layers) or layers[2].perm is None:
             continue
