@@ -221,6 +221,32 @@ def _scale_source(distinct: torch.Tensor, value: torch.Tensor) -> str:
     return f"scales[{hits[0, 0]}, {hits[0, 1]}]" if len(hits) else f"{value.item()}"
 
 
+def _words(rows: int, cols: int, value: int) -> torch.Tensor:
+    """A probe of int32 words all equal to the 32-bit pattern ``value``."""
+    return torch.full((rows, cols), _int32(value), dtype=torch.int32)
+
+
+def _random_words(gen: torch.Generator, rows: int, cols: int) -> torch.Tensor:
+    return torch.randint(-(2**31), 2**31, (rows, cols), generator=gen, dtype=torch.int32)
+
+
+def _where(describe):
+    """``(got, want) -> (k, n, text)``: the first element where a probe's output differs, and
+    ``describe(k, n)`` of it."""
+    def where(got, want):
+        k, n = dequant_probe.first_difference(got, want)
+        return k, n, describe(k, n)
+    return where
+
+
+def _other_reason(where, reading: str):
+    """Why the all-random probe failed: the first element that differs from ``reading``'s dequantization."""
+    def other(got, want):
+        k, n, at = where(got, want)
+        return f"{at} differs from the {reading} dequantization ({got[k, n].item()} vs {want[k, n].item()})"
+    return other
+
+
 def _read_bits(values) -> list:
     """The bit offsets that unpacked probe values (nibble j holds j) say were read."""
     return [4 * int(v) if float(v).is_integer() and 0 <= v < AWQ_PACK else f"?({v})" for v in values]
@@ -232,17 +258,13 @@ def _probes(sub: Subgraph, K: int, C: int, groups: int, dtype) -> list[Probe]:
     gen = torch.Generator().manual_seed(0)
 
     def words(rows, value):
-        return torch.full((rows, C), _int32(value), dtype=torch.int32)
+        return _words(rows, C, value)
 
     def random_words(rows):
-        return torch.randint(-(2**31), 2**31, (rows, C), generator=gen, dtype=torch.int32)
+        return _random_words(gen, rows, C)
 
     unit, distinct, random_scales = _probe_scales(groups, N, dtype, gen)
-
-    def where(got, want):
-        k, n = dequant_probe.first_difference(got, want)
-        return k, n, f"row {k % G} of group {k // G}, column {n}"
-
+    where = _where(lambda k, n: f"row {k % G} of group {k // G}, column {n}")
     mask = _mask_reason(sub, where)
 
     def order(got, want):
@@ -275,9 +297,7 @@ def _probes(sub: Subgraph, K: int, C: int, groups: int, dtype) -> list[Probe]:
         source = _scale_source(distinct, got[k, n])
         return f"{at} is scaled by {source}, not scales[{k // G}, {n}]: another group or column of the scales"
 
-    def other(got, want):
-        k, n, at = where(got, want)
-        return f"{at} differs from the AWQ dequantization ({got[k, n].item()} vs {want[k, n].item()})"
+    other = _other_reason(where, "AWQ")
 
     def probe(name, qweight, qzeros, scales, explain):
         return Probe(name, {"qweight": qweight, "qzeros": qzeros, "scales": scales}, explain)
@@ -411,11 +431,10 @@ def _gptq_probes(sub: Subgraph, roles: _GPTQRoles, K: int, C: int, groups: int, 
     gen = torch.Generator().manual_seed(0)
     in_order = torch.arange(K) // G
 
-    def words(rows, cols, value):
-        return torch.full((rows, cols), _int32(value), dtype=torch.int32)
+    words = _words
 
     def random_words(rows, cols):
-        return torch.randint(-(2**31), 2**31, (rows, cols), generator=gen, dtype=torch.int32)
+        return _random_words(gen, rows, cols)
 
     def zero_words():
         # v1 stores each zero point minus one, so its stored nibbles are 0..14 (a 15 is refused by the op).
@@ -426,11 +445,7 @@ def _gptq_probes(sub: Subgraph, roles: _GPTQRoles, K: int, C: int, groups: int, 
         return (packed - ((packed >> 31) << 32)).to(torch.int32)
 
     unit, distinct, random_scales = _probe_scales(groups, N, dtype, gen)
-
-    def where(got, want):
-        k, n = dequant_probe.first_difference(got, want)
-        return k, n, f"row {k}, column {n}"
-
+    where = _where(lambda k, n: f"row {k}, column {n}")
     mask = _mask_reason(sub, where)
 
     def order(got, want):
@@ -471,9 +486,7 @@ def _gptq_probes(sub: Subgraph, roles: _GPTQRoles, K: int, C: int, groups: int, 
             return f"{at} does not read group g_idx[{k}] = {g_idx[k].item()}: the groups are not gathered by g_idx"
         return explain
 
-    def other(got, want):
-        k, n, at = where(got, want)
-        return f"{at} differs from the GPTQ dequantization ({got[k, n].item()} vs {want[k, n].item()})"
+    other = _other_reason(where, "GPTQ")
 
     g_dtype = tensor_val(roles.g_idx).dtype if roles.g_idx is not None else None
     tables = {f"shift_table{i}": torch.tensor(GPTQ_SHIFTS, dtype=tensor_val(t).dtype).reshape(tensor_val(t).shape)

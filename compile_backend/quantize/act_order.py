@@ -29,20 +29,25 @@ log = logging.getLogger("quantfuse")
 GATED = ("gate_proj", "up_proj", "down_proj")
 
 
+def _rebuilt(layer: AWQLinear, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+             bias: torch.Tensor | None, perm: torch.Tensor | None) -> AWQLinear:
+    """A new ``AWQLinear`` of these tensors (AWQ layout) with ``layer``'s output dtype; ``perm`` is held as
+    the same tensor, not a copy: layers that share an input share it (horizontal.py merges them)."""
+    state = {"qweight": qweight, "qzeros": qzeros, "scales": scales}
+    if bias is not None:
+        state["bias"] = bias
+    made = AWQLinear.from_state_dict(state)
+    made.out_dtype = layer.out_dtype
+    return made if perm is None else set_tensors(made, perm=perm)
+
+
 def columns_permuted(layer: AWQLinear, order: torch.Tensor) -> AWQLinear:
     """A new ``AWQLinear`` whose output column ``j`` is ``layer``'s column ``order[j]``."""
     order = order.to(device=layer.scales.device, dtype=torch.long)
-    state = {
-        "qweight": awq_pack_unchecked(awq_unpack(layer.awq_qweight()).index_select(1, order)),
-        "qzeros": awq_pack_unchecked(awq_unpack(layer.qzeros).index_select(1, order)),
-        "scales": layer.scales.index_select(1, order),
-    }
-    if layer.bias is not None:
-        state["bias"] = layer.bias.index_select(0, order)
-    permuted = AWQLinear.from_state_dict(state)
-    permuted.out_dtype = layer.out_dtype
-    # The same perm tensor, not a copy: layers that share an input share it (horizontal.py merges them).
-    return permuted if layer.perm is None else set_tensors(permuted, perm=layer.perm)
+    return _rebuilt(layer, awq_pack_unchecked(awq_unpack(layer.awq_qweight()).index_select(1, order)),
+                    awq_pack_unchecked(awq_unpack(layer.qzeros).index_select(1, order)),
+                    layer.scales.index_select(1, order),
+                    None if layer.bias is None else layer.bias.index_select(0, order), layer.perm)
 
 
 def _probe_output(mlp: nn.Module, hidden: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -81,12 +86,7 @@ def _fold_reason(mlp: nn.Module) -> str | None:
 
 def _without_perm(layer: AWQLinear) -> AWQLinear:
     """``layer`` with ``perm`` dropped: its rows multiply the input as it comes."""
-    state = {"qweight": layer.awq_qweight(), "qzeros": layer.qzeros, "scales": layer.scales}
-    if layer.bias is not None:
-        state["bias"] = layer.bias
-    plain = AWQLinear.from_state_dict(state)
-    plain.out_dtype = layer.out_dtype
-    return plain
+    return _rebuilt(layer, layer.awq_qweight(), layer.qzeros, layer.scales, layer.bias, None)
 
 
 def fold_mlp_orders(model: nn.Module) -> list[str]:
