@@ -258,6 +258,34 @@ def _first_difference(model, eager, compiled, tokenizer, start: int) -> str:
             f"eager {tokenizer.decode(eager[0, start:])!r}; compiled {tokenizer.decode(compiled[0, start:])!r}")
 
 
+def _step_errors(tokens, logits, ref_tokens, ref_logits) -> list[float]:
+    """Relative L2 error of each step's logits against the reference's, up to and including the first
+    step whose token differs (where the two runs stop computing from the same prefix)."""
+    diff = (tokens != ref_tokens).nonzero()
+    upto = int(diff[0, 1]) if diff.numel() else tokens.shape[1] - 1
+    return [float((logits[0, i] - ref_logits[0, i]).norm() / ref_logits[0, i].norm()) for i in range(upto + 1)]
+
+
+def _generate_all(model, tokenizer, kw, **extra):
+    """(prompt, its encoding, generate's result) for each of the demo's prompts."""
+    from compile_backend.demo import PROMPTS
+
+    out = []
+    for prompt in PROMPTS:
+        enc = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True).to("cuda")
+        with torch.no_grad():
+            out.append((prompt, enc, model.generate(**enc, **kw, **extra)))
+    return out
+
+
+# How far quantfuse's compiled-vs-eager error may exceed plain Inductor's on the same quantized model:
+# both are one sample of the model's response to last-bit rounding differences (on a CPU, float32,
+# int8, the logits of the first prompt's last positions: 0.22 against Inductor's 0.17; the second
+# prompt's: 0.055 against 0.086).
+SENSITIVITY_MARGIN = 1.5
+
+
 @needs_model
 @pytest.mark.gpu
 @pytest.mark.compile
@@ -265,46 +293,54 @@ def _first_difference(model, eager, compiled, tokenizer, start: int) -> str:
 def test_generate_with_cuda_graphs_gives_eager_tokens(model_and_tokenizer, cuda_kernels, scheme):
     """On a GPU, in float16: transformers' ``generate`` with the decode step compiled by quantfuse in
     ``reduce-overhead`` mode (CUDA graphs from the first call) answers the demo's prompts with eager's
-    tokens, its quantized linears fused, the logits of every step within the scheme's tolerance of
-    eager's.  A different pick is accepted only at a tie (``test_e2e_hf.assert_tokens_match``: eager's
-    top-two margin below the compiled-vs-eager difference): the trained model has some, e.g. in
-    float32 on a CPU int8's eighth token for the second prompt has a margin of 0.03 and awq-g64's for the
-    first 0.02, about two float16 steps of those logits."""
+    tokens, its quantized linears fused, the logits of every step close to eager's.  A different pick
+    is accepted only at a tie (``test_e2e_hf.assert_tokens_match``: eager's top-two margin below the
+    compiled-vs-eager difference): the trained model has some, e.g. in float32 on a CPU int8's eighth
+    token for the second prompt has a margin of 0.03 and awq-g64's for the first 0.02, about two
+    float16 steps of those logits.
+
+    "Close": within the scheme's tolerance (``rtol_for``) for weight-only schemes.  Dynamic activation
+    quantization re-rounds every layer's input, and this model is sensitive to that: any compiler's
+    last-bit differences move its logits by up to ~20% (int8, float32, CPU: plain Inductor 0.17 from
+    eager on the first prompt's last positions).  So for those schemes the bound is also at most ``SENSITIVITY_MARGIN``
+    times plain Inductor's error on the same quantized model, measured in the same run (issue 38's
+    accuracy target)."""
     import transformers
     from test_e2e_hf import assert_tokens_match, rtol_for
-
-    from compile_backend.demo import PROMPTS
 
     if scheme.startswith("fp8") and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 needs sm_89 or later")
     model, tokenizer = model_and_tokenizer
     # Quantized where it runs (quantize_model's doc: a model moved after quantizing copies its merged weights).
     quantized = quantize_model(copy.deepcopy(model).to("cuda", torch.float16), scheme)
-    config = transformers.CompileConfig(backend="quantfuse", mode="reduce-overhead")
     kw = dict(max_new_tokens=GPU_NEW_TOKENS, do_sample=False, cache_implementation="static",
               return_dict_in_generate=True, output_logits=True)
+    # On a GPU, generate compiles the decode step of a static cache with Inductor unless told not to.
+    eager = _generate_all(quantized, tokenizer, kw, disable_compile=True)
+    rtol = rtol_for(scheme)
+    if not scheme.startswith(("w8a16", "awq")):
+        torch._dynamo.reset()
+        inductor = _generate_all(quantized, tokenizer, kw, compile_config=transformers.CompileConfig(
+            backend="inductor", mode="reduce-overhead"))
+        start = [enc["input_ids"].shape[1] for _, enc, _ in eager]
+        inductor_error = max(max(_step_errors(i.sequences[:, s:], torch.stack(i.logits, 1).float(),
+                                              e.sequences[:, s:], torch.stack(e.logits, 1).float()))
+                             for (_, _, i), (_, _, e), s in zip(inductor, eager, start))
+        rtol = max(rtol, SENSITIVITY_MARGIN * inductor_error)
+        print(f"{scheme}: plain Inductor's largest step error {inductor_error:.3g}; bound {rtol:.3g}",
+              file=sys.stderr)
     torch._dynamo.reset()
-    report = None
-    for prompt in PROMPTS:
-        enc = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            return_tensors="pt", return_dict=True).to("cuda")
-        with torch.no_grad():
-            # On a GPU, generate compiles the decode step of a static cache with Inductor unless told not to.
-            eager = quantized.generate(**enc, **kw, disable_compile=True)
-            if report is None:
-                # Inductor's caches off: a cached graph would skip the passes, and their report.
-                with (collecting_report() as report, torch._functorch.config.patch(enable_autograd_cache=False),
-                      torch._inductor.config.patch(fx_graph_cache=False)):
-                    compiled = quantized.generate(**enc, **kw, compile_config=config)
-            else:
-                compiled = quantized.generate(**enc, **kw, compile_config=config)
-        assert hasattr(quantized, "_compiled_call"), "generate did not compile the decode step"
+    config = transformers.CompileConfig(backend="quantfuse", mode="reduce-overhead")
+    # Inductor's caches off for the first call: a cached graph would skip the passes, and their report.
+    with (collecting_report() as report, torch._functorch.config.patch(enable_autograd_cache=False),
+          torch._inductor.config.patch(fx_graph_cache=False)):
+        compiled = _generate_all(quantized, tokenizer, kw, compile_config=config)
+    assert hasattr(quantized, "_compiled_call"), "generate did not compile the decode step"
+    for (prompt, enc, c), (_, _, e) in zip(compiled, eager):
         start = enc["input_ids"].shape[1]
-        what = f"{scheme}, {prompt!r}: " + (_first_difference(quantized, eager.sequences, compiled.sequences,
-                                                                tokenizer, start)
-                                              if not torch.equal(compiled.sequences, eager.sequences) else "")
-        assert_tokens_match(compiled.sequences[:, start:], torch.stack(compiled.logits, 1).float(),
-                            eager.sequences[:, start:], torch.stack(eager.logits, 1).float(), what=what,
-                            rtol=rtol_for(scheme))
+        what = f"{scheme}, {prompt!r}: " + (_first_difference(quantized, e.sequences, c.sequences, tokenizer, start)
+                                              if not torch.equal(c.sequences, e.sequences) else "")
+        assert_tokens_match(c.sequences[:, start:], torch.stack(c.logits, 1).float(),
+                            e.sequences[:, start:], torch.stack(e.logits, 1).float(), what=what, rtol=rtol)
     print(f"{scheme}: {report}", file=sys.stderr)
     assert len(report.fused) > 0, f"{scheme}: nothing fused on the GPU: {report}"
