@@ -51,7 +51,8 @@ see) are read as the shifts ``[0, 4, ..., 28]``.  The replacement is ``quantfuse
 GPTQ -> AWQ conversion, ``ops.awq_gemm.awq_state``, a value derived from the GPTQ tensors: made once per
 weight, served from the derived-value cache while none changed, which checks the shift buffers' values
 and refuses groups of another size than ``G`` and a v1 stored zero point of 15) feeding ``awq_gemm`` with
-the GPTQ scales as they are and the conversion's ``perm`` (act-order), which is left out where the groups
+the GPTQ scales as they are, its activation gathered by the conversion's ``perm`` (act-order) in the
+graph, where Inductor computes the gather in the kernel that produces the activation; no gather where the groups
 are known in order (no ``g_idx``, or a constant one equal to ``k // G``).  With the GPTQ tensors graph
 constants those refusals leave the candidate unfused with the reason instead.
 
@@ -570,7 +571,7 @@ def _gptq_constants_reason(sub: Subgraph, roles: _GPTQRoles, K: int, group: int,
 
 def _gptq_in_order(sub: Subgraph, roles: _GPTQRoles, group: int) -> bool:
     """Whether the groups are known to be in order (no ``g_idx``, or a constant one equal to ``k // G``):
-    then the op reads x as it is, else through the conversion's ``perm``."""
+    then the op reads x as it is, else x gathered by the conversion's ``perm``."""
     if roles.g_idx is None:
         return True
     g_idx = sub.constants.get(roles.g_idx)
@@ -600,7 +601,7 @@ def _analyze_gptq(sub: Subgraph, mm: Node, K: int, N: int, dtype) -> _Fusion | s
             if why is None:
                 perm = not _gptq_in_order(sub, roles, G)
                 per = "per-channel" if groups == 1 else f"group_size={G}"
-                order = ", act-order through perm" if perm else ""
+                order = ", act-order (x gathered by perm)" if perm else ""
                 detail = f"{per} K={K} N={N} {str(dtype).removeprefix('torch.')}{order} (GPTQ converted once)"
                 gptq = _GPTQ(roles.g_idx, roles.tables, v1, perm)
                 awq_roles = _Roles(roles.qweight, roles.qzeros, roles.scales)
@@ -789,8 +790,9 @@ def _gptq_plan(fusion: _Fusion, inputs: dict, dtype) -> Plan:
     def build(x, qweight, scales, qzeros, bias=None, g_idx=None, **shift_tables):
         awq_qweight, awq_qzeros, perm = torch.ops.quantfuse.gptq_to_awq(
             qweight, qzeros, g_idx, group_size, gptq.v1, [shift_tables[t] for t in tables])
-        return torch.ops.quantfuse.awq_gemm(x, awq_qweight, scales, awq_qzeros, group_size, bias,
-                                            perm if gptq.perm else None)
+        if gptq.perm:  # a gather in the graph: Inductor computes it in the kernel that makes x
+            x = x.index_select(-1, perm)
+        return torch.ops.quantfuse.awq_gemm(x, awq_qweight, scales, awq_qzeros, group_size, bias)
 
     return Plan(inputs, build, fusion.detail, dtype, form=fusion.form)
 
@@ -851,63 +853,3 @@ def register(passes: dict) -> None:
             register_checked(pattern, target, FAMILY, None, _plan)
         for pattern, view in bias_add_patterns(_awq_calls()):
             register_graph_pattern(pattern, extra_check=_bias_check, pass_dict=target)(_make_bias_handler(view))
-
-
-# --------------------------------------------------------------------------- act-order gathers
-
-_GATHER_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
-
-
-def _last_dim_gather(node) -> tuple[Node, Node] | None:
-    """(source, indices) where ``node`` gathers its source's last dimension by a 1-D int tensor
-    (``x.index_select(-1, perm)``, traced as ``aten.index.Tensor(x, [None, ..., perm])`` or
-    ``aten.index_select``), else None."""
-    if not isinstance(node, Node) or node.op != "call_function":
-        return None
-    if node.target is aten.index.Tensor:
-        src, indices = node.args[0], node.args[1]
-        sv = tensor_val(src)
-        if sv is None or len(indices) != sv.dim() or any(i is not None for i in indices[:-1]):
-            return None
-        perm = indices[-1]
-    elif node.target is aten.index_select.default:
-        src, dim, perm = node.args
-        sv = tensor_val(src)
-        if sv is None or dim not in (-1, sv.dim() - 1):
-            return None
-    else:
-        return None
-    pv = tensor_val(perm)
-    if pv is None or pv.dim() != 1 or pv.dtype not in (torch.int32, torch.int64) or pv.shape[0] != sv.shape[-1]:
-        return None
-    return src, perm
-
-
-def fold_activation_gathers(graph: torch.fx.Graph) -> int:
-    """Each ``quantfuse.awq_gemm`` whose activation is a gather of its input's last dimension (an act-order
-    layer's ``x.index_select(-1, perm)``, directly or under the view that flattens it to ``[M, K]``) reads
-    the input itself with ``perm``: the kernels load the activation through the permutation, so no
-    gather runs before them.  The gather stays where something else reads it.  Returns the ops folded."""
-    folded = 0
-    for node in list(graph.nodes):
-        if node.op != "call_function" or node.target is not torch.ops.quantfuse.awq_gemm.default or node.kwargs:
-            continue
-        args = list(node.args) + [None] * (7 - len(node.args))
-        if args[6] is not None:
-            continue
-        x = args[0]
-        view = x if isinstance(x, Node) and x.target in _GATHER_VIEWS else None
-        gather = _last_dim_gather(view.args[0] if view is not None else x)
-        if gather is None:
-            continue
-        src, perm = gather
-        if view is not None:
-            with graph.inserting_before(node):
-                flat = graph.call_function(view.target, (src, *view.args[1:]), dict(view.kwargs))
-            flat.meta = dict(view.meta)  # same shape, dtype and strides: only the order of K differs
-            src = flat
-        node.args = (src, *args[1:6], perm)
-        folded += 1
-    if folded:
-        graph.eliminate_dead_code()
-    return folded

@@ -70,9 +70,7 @@ class QuantfuseGraphPass(CustomGraphPass):
     later slot does not report the same matmuls again.
 
     ``horizontal``: then merge fused ops of one family that read the same
-    activation into one op over concatenated weights (``horizontal``).  Last, AWQ ops
-    whose activation is an act-order gather read it through their ``perm``
-    (``awq_gemm.fold_activation_gathers``).
+    activation into one op over concatenated weights (``horizontal``).
     """
 
     def __init__(self, slot: str, families: tuple[str, ...], horizontal: bool = True):
@@ -87,10 +85,6 @@ class QuantfuseGraphPass(CustomGraphPass):
             from .horizontal import merge_shared_input
 
             merge_shared_input(graph)
-        if "awq_gemm" in self.families:
-            from .awq_gemm import fold_activation_gathers
-
-            fold_activation_gathers(graph)
         owner = graph.owning_module
         meta = owner.meta if owner is not None else {}
         if not meta.get(_REPORTED):
