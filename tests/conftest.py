@@ -108,18 +108,29 @@ def assert_pdl_on_off_equal(run, src: torch.Tensor, refresh) -> None:
     """``run(a, pdl)`` (a decode kernel's private op) launched with programmatic dependent launch
     (``pdl=1``; where the GPU has it) and without (``pdl=0``) gives the same bits: eagerly, and in a
     CUDA graph where the kernel just before writes its activation ``a`` (it must wait for it) and one
-    after reads its output, over three replays with ``src`` refreshed by ``refresh()``."""
+    after reads its output, over three replays with ``src`` refreshed by ``refresh()``.  With PDL, also
+    without the weights' L2 prefetch (``QUANTFUSE_PDL_PREFETCH=0``)."""
+    import os
+
     assert torch.equal(run(src, 1), run(src, 0)), "pdl on and off differ"
-    for pdl in (0, 1):
-        run(_written_by_a_kernel(src), pdl)  # warm-up outside the graph
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            after = _written_by_a_kernel(run(_written_by_a_kernel(src), pdl))
+    for pdl, prefetch in ((0, "1"), (1, "1"), (1, "0")):
+        previous = os.environ.get("QUANTFUSE_PDL_PREFETCH")
+        os.environ["QUANTFUSE_PDL_PREFETCH"] = prefetch
+        try:
+            run(_written_by_a_kernel(src), pdl)  # warm-up outside the graph
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                after = _written_by_a_kernel(run(_written_by_a_kernel(src), pdl))
+        finally:
+            if previous is None:
+                os.environ.pop("QUANTFUSE_PDL_PREFETCH")
+            else:
+                os.environ["QUANTFUSE_PDL_PREFETCH"] = previous
         for _ in range(3):
             src.copy_(refresh())
             graph.replay()
             torch.cuda.synchronize()
-            assert torch.equal(after, run(src, 0)), f"pdl={pdl}: the graph's result differs"
+            assert torch.equal(after, run(src, 0)), f"pdl={pdl}, prefetch {prefetch}: the graph's result differs"
 
 
 def kernel_names(fn) -> list[str]:

@@ -5,7 +5,9 @@ the stream finishes; it waits (``griddepcontrol.wait``) before it reads what tha
 decode kernels in ``csrc/`` (``common/pdl.h`` decides there, from the same variable), the decode
 attention's Triton kernels and, under CUDA graphs, Inductor's own Triton kernels (the backend's
 ``pdl`` option) launch with it where the GPU has it.  ``QUANTFUSE_PDL=0`` turns all of it off; it is
-read at each launch and compile, so that one process may compare both.
+read at each launch and compile, so that one process may compare both.  ``QUANTFUSE_PDL_PREFETCH=0``
+keeps PDL but drops the decode kernels' L2 prefetch of their weights before they wait
+(``csrc/common/pdl.h``).
 """
 
 from __future__ import annotations

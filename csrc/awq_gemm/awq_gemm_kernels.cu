@@ -25,6 +25,7 @@
 #include "awq_gemm/awq_gemm_strip.cuh"
 #include "common/cluster_launch.h"
 #include "common/pdl.cuh"
+#include "common/pdl.h"
 #include "common/sm_count.h"
 
 namespace quantfuse {
@@ -93,7 +94,7 @@ template <typename T, int NT, int W, bool CLUSTER>
 __global__ void __launch_bounds__(W * 32, min_warps_per_sm(NT, W) / W) awq_gemm_kernel(
     const T* __restrict__ x, const uint4* __restrict__ wp, const T* __restrict__ scales,
     const uint32_t* __restrict__ qzeros, const T* __restrict__ bias, T* __restrict__ out,
-    float* __restrict__ partial, int M, int N, int K, int group_size, bool pdl) {
+    float* __restrict__ partial, int M, int N, int K, int group_size, bool prefetch) {
   constexpr bool kFold = fold_path(NT, W);
   __shared__ __align__(16) float red[red_floats(NT, W)];
 
@@ -128,7 +129,7 @@ __global__ void __launch_bounds__(W * 32, min_warps_per_sm(NT, W) / W) awq_gemm_
   // Launched with PDL: the warp's weights asked into L2 while the kernel before may still run (each
   // k-step is 512 bytes, four lines: 8 k-steps per pass of the warp's lanes), then wait for it;
   // nothing the previous kernel may write is read before.
-  if (pdl) {
+  if (prefetch) {
     const char* wbase = reinterpret_cast<const char*>(wl - lane);
     for (int k = wb + (lane >> 2); k < we; k += 8) prefetch_l2(wbase + (size_t)k * 512 + (lane & 3) * 128);
   }
@@ -430,15 +431,16 @@ cudaError_t run_gemm(const void* x, const uint32_t* wp, const void* scales, cons
   const T* sp = static_cast<const T*>(scales);
   const T* bp = static_cast<const T*>(bias);
   T* op = static_cast<T*>(out);
+  const bool prefetch = pdl && pdl_prefetch();
   if (splits > 1 && cluster) {
     const ClusterLaunch launch(grid, dim3(W * 32), 0, stream, splits, pdl);
     return cudaLaunchKernelEx(&launch.cfg, awq_gemm_kernel<T, NT, W, true>, xp, wq, sp, qzeros, bp, op,
-                              static_cast<float*>(nullptr), M, N, K, group_size, pdl);
+                              static_cast<float*>(nullptr), M, N, K, group_size, prefetch);
   }
   const ClusterLaunch launch(grid, dim3(W * 32), 0, stream, 1, pdl);
   float* part = splits > 1 ? partial : nullptr;
   return reduce_splits<T>(cudaLaunchKernelEx(&launch.cfg, awq_gemm_kernel<T, NT, W, false>, xp, wq, sp, qzeros, bp,
-                                             op, part, M, N, K, group_size, pdl),
+                                             op, part, M, N, K, group_size, prefetch),
                           partial, bp, op, M, N, splits, stream);
 }
 

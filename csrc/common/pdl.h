@@ -23,6 +23,15 @@ inline bool pdl_default(int device) {
   return (v == nullptr || std::strcmp(v, "0") != 0) && pdl_supported(device);
 }
 
+// Whether a kernel launched with PDL asks its weights into L2 before griddepcontrol.wait: unless
+// QUANTFUSE_PDL_PREFETCH=0 (read at every launch, as QUANTFUSE_PDL).  Weights larger than the L2
+// (gate/up of an 8B model) are partly evicted before the main loop reads them, and the requests
+// compete with the previous kernel's traffic; the variable lets one process measure both.
+inline bool pdl_prefetch() {
+  const char* v = std::getenv("QUANTFUSE_PDL_PREFETCH");
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
+
 // An op's `pdl` argument: -1 the default above, 0 off, 1 on where the GPU has it.
 inline bool pdl_for(int64_t pdl, int device) {
   return pdl < 0 ? pdl_default(device) : (pdl != 0 && pdl_supported(device));

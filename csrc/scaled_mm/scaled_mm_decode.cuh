@@ -49,6 +49,7 @@
 
 #include "common/cluster_launch.h"
 #include "common/pdl.cuh"
+#include "common/pdl.h"
 #include "common/decode_reduce.cuh"
 #include "common/mma.cuh"
 #include "common/stream_load.h"
@@ -180,7 +181,7 @@ struct KernelArgs {
   int64_t lda, ldb, ldd;
   int splits;           // CTAs per cluster along K (gridDim.x = splits * N / 16 rounded up)
   int chunks_per_part;  // 64-byte K chunks per (CTA, warp)
-  bool pdl;             // launched with PDL: weights asked into L2 before waiting for the previous kernel
+  bool prefetch;        // launched with PDL: weights asked into L2 before waiting for the previous kernel
 };
 
 // The 8-bit operand type of the kernel's m16n8k32 (common/mma.cuh).
@@ -267,7 +268,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, (NT == 1 || kBatch <= 2) ? 2 :
   };
 
   // Nothing the previous kernel writes (activations, their scales) is read before pdl_wait.
-  if (args.pdl) prefetch_rows_l2(wrow, t, int64_t(c0) * kChunkBytes, min(int64_t(c_end) * kChunkBytes, int64_t(K)));
+  if (args.prefetch) prefetch_rows_l2(wrow, t, int64_t(c0) * kChunkBytes, min(int64_t(c_end) * kChunkBytes, int64_t(K)));
   pdl_wait();
 
   // Double-buffered batches: the next batch's loads are all issued before this one's mma.
@@ -305,7 +306,7 @@ int launch_one(const ScaledMmParams& p, const DecodeConfig& c, int* cuda_error) 
   args.ldd = p.ldd;
   args.splits = c.splits;
   args.chunks_per_part = c.chunks_per_part;
-  args.pdl = p.pdl;
+  args.prefetch = p.pdl && pdl_prefetch();
   const Epi epi = Epi::make(p);
   const int row_blocks = static_cast<int>((p.N + kRowsPerWarp - 1) / kRowsPerWarp);
   auto* kernel = scaled_mm_decode_kernel<kFp8, NT, kBatch, Out, Epi>;

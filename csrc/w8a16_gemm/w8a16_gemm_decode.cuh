@@ -34,6 +34,7 @@
 
 #include "common/cluster_launch.h"
 #include "common/pdl.cuh"
+#include "common/pdl.h"
 #include "common/decode_reduce.cuh"
 #include "common/mma.cuh"
 #include "common/stream_load.h"
@@ -107,7 +108,7 @@ struct DecodeArgs {
   int64_t ldx, ldw, ldy;
   int splits, chunks_per_part;
   int slices;  // token slices of kMaxM rows (M > kMaxM): CTAs of one row tile, adjacent in the grid
-  bool pdl;    // launched with PDL: weights asked into L2 before waiting for the previous kernel
+  bool prefetch;  // launched with PDL: weights asked into L2 before waiting for the previous kernel
 };
 
 // One batch of register loads: kBatch chunks; per chunk and lane 16 weight bytes of rows g and
@@ -190,7 +191,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 2) w8a16_decode_mma_kernel(con
   };
 
   // Nothing the previous kernel writes (the activations) is read before pdl_wait.
-  if (args.pdl) prefetch_rows_l2(wrow, t, int64_t(c0) * kChunk, min(int64_t(c_end) * kChunk, int64_t(K)));
+  if (args.prefetch) prefetch_rows_l2(wrow, t, int64_t(c0) * kChunk, min(int64_t(c_end) * kChunk, int64_t(K)));
   pdl_wait();
 
   if constexpr (kDouble) {  // the next batch in flight while this one feeds the mma
@@ -340,7 +341,7 @@ int launch_mma(const Params& p, const DecodeConfig& c, const Epi& epi, int* cuda
   args.splits = c.splits;
   args.chunks_per_part = c.chunks_per_part;
   args.slices = static_cast<int>((p.M + kMaxM - 1) / kMaxM);
-  args.pdl = p.pdl;
+  args.prefetch = p.pdl && pdl_prefetch();
   const int row_blocks = static_cast<int>((p.N + kRowsPerWarp - 1) / kRowsPerWarp) * args.slices;
   const int smem = c.warps * warp_smem_bytes<NT>();  // <= 10 KB
   const ClusterLaunch launch(dim3(static_cast<unsigned>(row_blocks) * c.splits, 1, 1), dim3(32 * c.warps, 1, 1),
