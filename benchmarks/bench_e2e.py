@@ -41,7 +41,8 @@ Two paths, each compiled with ``mode="reduce-overhead"`` (CUDA graphs):
 Per config, path and batch (``--batch``): tok/s (batch x steps/s), wall ms per decode step, GPU ms per
 step (sum of the profiler's device-side time over the profiled steps / steps; for ``generate`` the
 difference of two generate calls of different lengths, so the prefill cancels), host ms per step (wall -
-GPU), compile time (first call - steady-state call), peak memory beside the weights, the bytes floor (the
+GPU) and the part of it the GPU sat idle between kernels (pauses under ``GAP_LIMIT_US``: launch gaps, not
+host waits), compile time (first call - steady-state call), peak memory beside the weights, the bytes floor (the
 bytes a step must read: every weight but the embedding table (unless the head is tied to it), its rows,
 the KV cache up to the mean position of the timed steps; over the bandwidth of a device-to-device copy
 measured in the same run) and floor / GPU time, the loop's kernels per step (launches, and their mean
@@ -337,7 +338,8 @@ def dynamo_counts() -> dict:
     from torch._dynamo.utils import counters
 
     return dict(graphs=int(counters["stats"]["unique_graphs"]), graph_breaks=int(sum(counters["graph_break"].values())),
-                gqa_decode=int(counters["quantfuse"]["gqa_decode"]))  # attentions passes/gqa_decode.py rewrote
+                gqa_decode=int(counters["quantfuse"]["gqa_decode"]),  # attentions passes/gqa_decode.py rewrote
+                cudagraph_skips=int(counters["inductor"]["cudagraph_skips"]))  # graphs Inductor ran without
 
 
 def counts_delta(before: dict, after: dict) -> dict:
@@ -398,6 +400,7 @@ def profile_steps(device: str, run, steps: int, keep_all: bool = False) -> dict:
             total_us = sum(e.time_range.elapsed_us() for e in prof.events()
                            if getattr(e, "device_type", None) == DeviceType.CUDA)
         out["gpu_ms_per_step"] = total_us / 1e3 / steps
+        out["gpu_gaps_ms_per_step"] = kernel_gaps_us(prof.events()) / 1e3 / steps
         # Kernels (and copies) per step: with a small model, their number times a kernel's minimum
         # duration, not the bytes read, sets the GPU time.
         out["launches_per_step"] = sum(e.count for e in dev) / steps
@@ -414,6 +417,26 @@ def profile_steps(device: str, run, steps: int, keep_all: bool = False) -> dict:
         if device == "cuda":
             out["_device"] = {e.key: (dev_self(e), e.count) for e in dev}
     return out
+
+
+# The GPU idle between two kernels of one step (a CUDA graph's launch gaps, or eager launches) is a few
+# microseconds; a host wait between steps (generate's logits processing) is far longer.
+GAP_LIMIT_US = 50.0
+
+
+def kernel_gaps_us(events) -> float:
+    """Microseconds the GPU sat idle between consecutive device events when the pause was under
+    ``GAP_LIMIT_US``: the part of a step's wall time that is neither kernel time nor host waiting."""
+    from torch.autograd import DeviceType
+
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events
+                   if getattr(e, "device_type", None) == DeviceType.CUDA)
+    idle, end = 0.0, None
+    for start, stop in spans:
+        if end is not None and 0 < start - end < GAP_LIMIT_US:
+            idle += start - end
+        end = stop if end is None else max(end, stop)
+    return idle
 
 
 def profile_diff(short: dict, long: dict, steps: int, key: str, top: int = 15) -> list:
@@ -597,7 +620,9 @@ def _loop_decode(model, step_fn, ck, B, cfg, args, r, timer, accuracy: bool):
         r["fusion"] = fc.summary()
         log(f"  first call (compile) {t_first:.1f} s; fused {r['fusion']['fused']}, "
             f"unfused {r['fusion']['unfused']}, graphs {r['fusion']['graphs']}, "
-            f"attentions without repeated keys/values {r['fusion']['gqa_decode']}")
+            f"attentions without repeated keys/values {r['fusion']['gqa_decode']}"
+            + (f"; CUDA graphs skipped for {r['fusion']['cudagraph_skips']} graph(s)"
+               if r["fusion"]["cudagraph_skips"] else ""))
         for i in range(k):
             if i:
                 pos += 1
@@ -637,7 +662,9 @@ def _loop_decode(model, step_fn, ck, B, cfg, args, r, timer, accuracy: bool):
             r["profile"] = prof
             r["gpu_ms_per_step"] = prof["gpu_ms_per_step"]
             r["host_ms_per_step"] = r["wall_ms_per_step"] - prof["gpu_ms_per_step"]
-            log(f"  GPU {r['gpu_ms_per_step']:.2f} ms/step, host {r['host_ms_per_step']:.2f} ms/step")
+            r["gpu_gaps_ms_per_step"] = prof["gpu_gaps_ms_per_step"]
+            log(f"  GPU {r['gpu_ms_per_step']:.2f} ms/step, host {r['host_ms_per_step']:.2f} ms/step "
+                f"(of which GPU idle between kernels {r['gpu_gaps_ms_per_step']:.2f})")
             bw = args.copy_bandwidth
             if bw:
                 # The profiled steps read the cache up to their mean position.
@@ -760,7 +787,9 @@ def _generate_decode(model, B, args, r, timer):
         r["first_call_s"] = t_first
         if out.shape[1] != args.context + long_:
             raise RuntimeError(f"generate returned {out.shape[1] - args.context} new tokens; expected {long_}")
-        log(f"  first generate (compile) {t_first:.1f} s; compiled {r['compiled']}, fused {r['fusion']['fused']}")
+        log(f"  first generate (compile) {t_first:.1f} s; compiled {r['compiled']}, fused {r['fusion']['fused']}"
+            + (f"; CUDA graphs skipped for {r['fusion']['cudagraph_skips']} graph(s)"
+               if r["fusion"]["cudagraph_skips"] else ""))
         t_long, t_short = [], []
         for _ in range(args.gen_reps):
             t_short.append(timer(lambda: gen(short))[1])
@@ -788,10 +817,12 @@ def _generate_decode(model, B, args, r, timer):
             gpu = (p_long["gpu_ms_per_step"] - p_short["gpu_ms_per_step"]) / n
             r["gpu_ms_per_step"] = gpu
             r["host_ms_per_step"] = r["wall_ms_per_step"] - gpu
+            r["gpu_gaps_ms_per_step"] = (p_long["gpu_gaps_ms_per_step"] - p_short["gpu_gaps_ms_per_step"]) / n
             r["profile"] = dict(steps=n, host_ops_per_step=profile_diff(p_short, p_long, n, "_host"),
                                 kernels_per_step=profile_diff(p_short, p_long, n, "_device"),
                                 short=p_short, long=p_long)
-            log(f"  GPU {gpu:.2f} ms/step, host {r['host_ms_per_step']:.2f} ms/step")
+            log(f"  GPU {gpu:.2f} ms/step, host {r['host_ms_per_step']:.2f} ms/step "
+                f"(of which GPU idle between kernels {r['gpu_gaps_ms_per_step']:.2f})")
 
 
 # --------------------------------------------------------------------------- driver
@@ -1200,13 +1231,14 @@ def render_md(results) -> str:
                     f"{run_no[m['run_id']]}); floor / GPU = that time over the GPU time. Peak / weights: peak memory "
                     "through the loop over the model's weights.\n")
     out = head + ["| config | path | batch | tok/s | x fp16 | wall ms/step | GPU ms/step | host ms/step | "
-                  "floor ms | floor / GPU | compile s | peak GB | peak / weights | fused | logits err | run |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "GPU gaps ms/step | floor ms | floor / GPU | compile s | peak GB | peak / weights | fused | "
+                  "logits err | run |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, path, batch, r in _decode_rows(results):
         run = run_no.get(r.get("run", m["run_id"]), "?")
         if "skipped" in r or "error" in r and "tok_per_s" not in r:
             note = r.get("skipped") or r.get("error", "")
-            out.append(f"| {name} | {path} | {batch} | {_md_cell(note, 80)} | | | | | | | | | | | | {run} |")
+            out.append(f"| {name} | {path} | {batch} | {_md_cell(note, 80)} | | | | | | | | | | | | | {run} |")
             continue
         base = _baseline(results, path, batch, r)
         tps = r.get("tok_per_s")
@@ -1219,7 +1251,8 @@ def render_md(results) -> str:
         out.append(f"| {name} | {path} | {batch} | {_fmt(tps, '.1f')} | "
                    f"{_fmt(tps / base if tps and base else None, '.2f')} | {_fmt(r.get('wall_ms_per_step'))} | "
                    f"{_fmt(r.get('gpu_ms_per_step'))} | {_fmt(r.get('host_ms_per_step'))} | "
-                   f"{_fmt(r.get('floor_ms'))} | {_fmt(r.get('floor_over_gpu'))} | "
+                   f"{_fmt(r.get('gpu_gaps_ms_per_step'))} | {_fmt(r.get('floor_ms'))} | "
+                   f"{_fmt(r.get('floor_over_gpu'))} | "
                    f"{_fmt(r.get('compile_s'), '.1f')} | {_fmt(peak, '.2f')} | "
                    f"{_fmt(peak / weights if peak and weights else None)} | {fused_s} | "
                    f"{_fmt(r.get('logits_rel_err'), '.2e')}{tokens_note} | {run} |")

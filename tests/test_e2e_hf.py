@@ -129,6 +129,8 @@ def compiled_generate(model, ids, compile_config, report_expected: int, what: st
             results.append(generate(model, ids))
     graphs = counters["stats"]["unique_graphs"]
     assert hasattr(model, "_compiled_call"), f"{what}: transformers did not compile the decode step"
+    # Inductor skips CUDA graphs quietly (a log line, this counter) when a graph cannot be captured.
+    assert not counters["inductor"]["cudagraph_skips"], f"{what}: CUDA graphs were skipped"
     assert graphs >= 1, what
     assert not report.unfused, f"{what}: left unfused:\n{report}"
     assert len(report.fused) == report_expected * graphs, (

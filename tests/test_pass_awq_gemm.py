@@ -315,25 +315,56 @@ def _gathers(t: Traced) -> int:
     return t.count(aten.index.Tensor, aten.index_select.default)
 
 
+SCATTERS = (aten.index_put.default, aten.index_copy.default)
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+def _scatter_of(node) -> bool:
+    """Whether ``node`` puts its input in an act-order layer's order (``AWQLinear.forward``'s scatter by
+    ``perm_inverse`` into an empty tensor)."""
+    return node.target in SCATTERS and node.args[0].target in (aten.empty.memory_format, aten.empty_like.default)
+
+
 def _no_perm(op) -> bool:
     return len(op.args) < 7 or op.args[6] is None
 
 
 @pytest.mark.parametrize(("dim", "bias", "dynamic"), [(2, False, False), (3, True, False), (3, True, True)])
-def test_act_order_gather_stays_before_the_op(dim, bias, dynamic):
-    """An act-order layer's ``x.index_select(-1, perm)`` stays in the graph before the fused op (Inductor
-    computes it in the kernel that produces x; an op-level gather is a kernel of its own): one gather, the
-    op without ``perm``."""
+def test_act_order_scatter_stays_before_the_op(dim, bias, dynamic):
+    """An act-order layer's input order (a scatter by ``perm_inverse``) stays in the graph before the fused
+    op: Inductor computes it in the kernel that produces x (an op-level gather is a kernel of its own).
+    One scatter feeding the op, no gather, the op without ``perm``."""
     layer = act_order(awq_params(64, torch.float16, bias=bias))
     t = trace(layer, activations(dim, torch.float16), dynamic=dynamic)
     ops = [n for n in t.after.graph.nodes if n.target == AWQ_GEMM]
     assert len(ops) == 1 and _no_perm(ops[0]), graph_str(t.after)
-    assert _gathers(t) == 1, graph_str(t.after)
+    scatters = [n for n in t.after.graph.nodes if _scatter_of(n)]
+    assert len(scatters) == 1 and _gathers(t) == 0, graph_str(t.after)
+    x = ops[0].args[0]
+    assert x is scatters[0] or (x.target in _VIEWS and x.args[0] is scatters[0]), graph_str(t.after)
     assert_output_close(t.output, t.expected)
 
 
-def test_act_order_shared_gather_merged_once():
-    """q/k/v-style layers with one shared order: one gather of the shared activation, one merged op."""
+def test_act_order_scatter_is_the_gather():
+    """``AWQLinear``'s scatter by ``perm_inverse`` gives ``x.index_select(-1, perm)`` exactly; layers sharing a
+    ``perm`` share its inverse, which follows ``perm`` through ``load_state_dict`` and device moves."""
+    from compile_backend.quantize.modules import inverse_order
+
+    a = act_order(awq_params(64, torch.float16, bias=False))
+    x = torch.randn(3, K, dtype=torch.float16)
+    assert torch.equal(torch.empty_like(x).index_copy_(-1, a.perm_inverse, x), x.index_select(-1, a.perm))
+    assert a.perm_inverse.dtype == torch.int64 and inverse_order(a.perm) is a.perm_inverse
+    b = act_order(awq_params(64, torch.float16, bias=False, seed=2), perm=a.perm)
+    set_tensors(b, perm=a.perm)
+    assert b.perm_inverse is a.perm_inverse
+    other = torch.randperm(K, generator=torch.Generator().manual_seed(3)).to(torch.int32)
+    b.load_state_dict({**b.state_dict(), "perm": other})
+    assert torch.equal(b.perm_inverse[other.long()], torch.arange(K))
+    assert "perm_inverse" not in b.state_dict()
+
+
+def test_act_order_shared_order_merged_once():
+    """q/k/v-style layers with one shared order: one scatter of the shared activation, one merged op."""
     layers = [awq_params(64, torch.float16, bias=False, seed=s) for s in (1, 2, 3)]
     perm = torch.randperm(K, generator=torch.Generator().manual_seed(9))
     a, b, c = (act_order(m, perm=perm) for m in layers)
@@ -345,7 +376,8 @@ def test_act_order_shared_gather_merged_once():
     r = apply_passes(qkv, activations(3, torch.float16))
     ops = [n for n in r.after.graph.nodes if n.target == AWQ_GEMM]
     assert len(ops) == 1 and _no_perm(ops[0]), graph_str(r.after)
-    assert count_calls(r.after, aten.index.Tensor, aten.index_select.default) == 1, graph_str(r.after)
+    assert sum(map(_scatter_of, r.after.graph.nodes)) == 1, graph_str(r.after)
+    assert count_calls(r.after, aten.index.Tensor, aten.index_select.default) == 0, graph_str(r.after)
     for out, want in zip(r.output, r.expected):
         assert_output_close(out, want)
 

@@ -329,13 +329,17 @@ def test_generate_with_cuda_graphs_gives_eager_tokens(model_and_tokenizer, cuda_
         rtol = max(rtol, SENSITIVITY_MARGIN * inductor_error)
         print(f"{scheme}: plain Inductor's largest step error {inductor_error:.3g}; bound {rtol:.3g}",
               file=sys.stderr)
+    from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
+    counters.clear()
     config = transformers.CompileConfig(backend="quantfuse", mode="reduce-overhead")
     # Inductor's caches off for the first call: a cached graph would skip the passes, and their report.
     with (collecting_report() as report, torch._functorch.config.patch(enable_autograd_cache=False),
           torch._inductor.config.patch(fx_graph_cache=False)):
         compiled = _generate_all(quantized, tokenizer, kw, compile_config=config)
     assert hasattr(quantized, "_compiled_call"), "generate did not compile the decode step"
+    assert not counters["inductor"]["cudagraph_skips"], f"{scheme}: CUDA graphs were skipped"
     for (prompt, enc, c), (_, _, e) in zip(compiled, eager):
         start = enc["input_ids"].shape[1]
         what = f"{scheme}, {prompt!r}: " + (_first_difference(quantized, e.sequences, c.sequences, tokenizer, start)

@@ -88,6 +88,7 @@ def set_tensors(module: nn.Module, **tensors: torch.Tensor | None) -> nn.Module:
             raise KeyError(f"set_tensors: {type(module).__name__} holds no tensor {name!r}; "
                            f"it holds {list(module._parameters)}")
         module._parameters[name] = _frozen(t)
+    module._held_changed()
     return module
 
 
@@ -108,9 +109,12 @@ class _HoldsTensors(nn.Module):
 
     def __setattr__(self, name: str, value) -> None:
         params = self.__dict__.get("_parameters")
-        if params is not None and name in params and isinstance(value, torch.Tensor):
+        held = params is not None and name in params and isinstance(value, torch.Tensor)
+        if held:
             value = _frozen(value)
         super().__setattr__(name, value)
+        if held:
+            self._held_changed()
 
     def _load_from_state_dict(self, *args, **kwargs) -> None:
         before = dict(self._parameters)
@@ -118,6 +122,11 @@ class _HoldsTensors(nn.Module):
             super()._load_from_state_dict(*args, **kwargs)
         finally:
             _keep_held(self, before)
+            self._held_changed()
+
+    def _held_changed(self) -> None:
+        """Called after held tensors were replaced or loaded (``set_tensors``, ``load_state_dict``, moves):
+        a module keeping values derived from them remakes those here."""
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
@@ -360,6 +369,25 @@ class W8A8Linear(_HoldsTensors):
 # --------------------------------------------------------------------------- AWQ
 
 
+def inverse_order(perm: torch.Tensor) -> torch.Tensor:
+    """int64 ``inv`` with ``inv[perm[j]] = j``: ``x.index_select(-1, perm)`` is
+    ``torch.empty_like(x).index_copy_(-1, inv, x)``.  Kept on ``perm`` itself while it is unchanged, so
+    layers that share one ``perm`` tensor (q/k/v, gate/up) share one inverse and a compiled graph puts
+    their shared input in order once."""
+    try:
+        version = perm._version
+    except RuntimeError:  # an inference tensor keeps no version counter (and cannot be written)
+        version = None
+    cached = getattr(perm, "_quantfuse_inverse", None)
+    if cached is not None and cached[0] == version:
+        return cached[1]
+    with torch.no_grad():
+        inv = torch.empty(perm.shape, dtype=torch.int64, device=perm.device)
+        inv[perm.long()] = torch.arange(perm.numel(), device=perm.device)
+    perm._quantfuse_inverse = (version, inv)
+    return inv
+
+
 class AWQLinear(_HoldsTensors):
     """W4A16 linear layer holding AWQ-format weights; dequantizes in the activation dtype.
 
@@ -378,9 +406,12 @@ class AWQLinear(_HoldsTensors):
     Act-order (``act_order=True``; GPTQ checkpoints with ``desc_act``, ``checkpoints/gptq.py``):
     ``qweight``'s rows are the input channels reordered so that each group is contiguous, and
     ``perm`` (int32 ``[K]``, a held tensor like the others) says which: row ``j`` is input channel
-    ``perm[j]``.  ``forward`` writes the gather (``x.index_select(-1, perm)``) before the AWQ matmul;
-    the AWQ pass folds it into the op (``quantfuse::awq_gemm``'s ``perm``, which gathers the activation
-    before its kernels), and the eager CUDA path calls the op with it.  In a gated MLP ``down_proj``'s
+    ``perm[j]``.  ``forward`` puts the input in that order before the AWQ matmul, written as a scatter
+    by the inverse order (``perm_inverse``, int64, made from ``perm`` and shared by the layers that share
+    ``perm``): compiled, Inductor computes it in the kernel that makes the input (an RMSNorm), which
+    then reads its own inputs in order and stores each value at its place, where the gather
+    ``x.index_select(-1, perm)`` would load them through the order.  The eager CUDA path calls
+    ``quantfuse::awq_gemm`` with ``perm`` (the op gathers first).  In a gated MLP ``down_proj``'s
     order is moved into ``gate_proj``'s and ``up_proj``'s output columns instead (``act_order.py``).
     ``dequantized_weight`` is in the stored (reordered) row order.  Without act-order ``perm`` is
     None and the layer is as before (same ``state_dict`` keys).
@@ -425,6 +456,8 @@ class AWQLinear(_HoldsTensors):
                         ("bias", torch.zeros(out_features, dtype=dtype) if bias else None),
                         ("perm", torch.arange(in_features, dtype=torch.int32) if act_order else None)):
             self.register_parameter(name, _frozen(t))
+        self.register_buffer("perm_inverse", None, persistent=False)
+        self._held_changed()
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int = 128, dtype: torch.dtype = torch.float16):
@@ -536,8 +569,8 @@ class AWQLinear(_HoldsTensors):
                 self.bias is None or self.bias.dtype == compute):
             y = self.forward_op(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
             return y if out_dtype == compute else y.to(out_dtype)
-        if self.perm is not None:  # act-order: the input channels in the stored rows' order
-            x = x.index_select(-1, self.perm)
+        if self.perm is not None:  # act-order: x.index_select(-1, perm) as a scatter (see the class doc)
+            x = torch.empty_like(x).index_copy_(-1, self.perm_inverse, x)
         y = torch.matmul(x, self.dequantized_weight())
         y = y if self.bias is None else y + self.bias
         return y if out_dtype == compute else y.to(out_dtype)
@@ -548,11 +581,15 @@ class AWQLinear(_HoldsTensors):
         return torch.ops.quantfuse.awq_gemm(x2, self.qweight, self.scales, self.qzeros, self.group_size, self.bias,
                                             self.perm)
 
+    def _held_changed(self) -> None:
+        self.perm_inverse = None if self.perm is None else inverse_order(self.perm)
+
     def _apply(self, fn, recurse=True):
         target = _target(fn, torch.empty(0, dtype=self.out_dtype, device=self.qweight.device)).dtype
         in_format = target in (torch.float16, torch.bfloat16)
         _apply_keeping_dtypes(self, fn, recurse, ("qweight", "qzeros", "perm") if in_format else
                               ("qweight", "qzeros", "perm", "scales", "bias"))
+        self._held_changed()
         if target.is_floating_point:
             self.out_dtype = target
         return self
