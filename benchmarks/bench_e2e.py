@@ -152,6 +152,9 @@ def parse_args(argv=None):
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--quick", action="store_true", help="smoke test: 2 layers, short prompts, few steps")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
+                    help="an Inductor config patch for every compile of the run (repeatable; the value a Python "
+                         "literal), e.g. --inductor combo_kernels=True")
     ap.add_argument("--budget-s", type=float, default=480.0,
                     help="start nothing new after this many seconds (the run's results so far are kept)")
     ap.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
@@ -194,6 +197,7 @@ def parse_args(argv=None):
     unknown = [p for p in args.path_list if p not in PATHS]
     if unknown or not args.path_list:
         ap.error(f"--paths: expected a comma list of {', '.join(PATHS)}, got {args.paths!r}")
+    args.inductor_patches = inductor_patches(ap, args.inductor)
     if cpu:
         # No CUDA graphs on a CPU; the decode step compiles plainly.
         args.mode = "default" if args.mode == "reduce-overhead" else args.mode
@@ -977,6 +981,28 @@ def environment(args) -> dict:
     )
 
 
+def inductor_patches(ap, items: list[str]) -> dict:
+    """``--inductor KEY=VALUE`` items as a config patch, each key checked against Inductor's config."""
+    import ast
+
+    import torch._inductor.config as inductor_config
+
+    patches = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            ap.error(f"--inductor {item!r}: expected KEY=VALUE")
+        try:
+            inductor_config.shallow_copy_dict()[key]
+        except KeyError:
+            ap.error(f"--inductor {item!r}: Inductor has no config {key!r}")
+        try:
+            patches[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            ap.error(f"--inductor {item!r}: the value is not a Python literal")
+    return patches
+
+
 def main(argv=None):
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -1003,6 +1029,12 @@ def main(argv=None):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(fresh, "inductor")
         os.environ["TRITON_CACHE_DIR"] = os.path.join(fresh, "triton")
         inductor_config.force_disable_caches = True
+    for key, value in args.inductor_patches.items():
+        *path, name = key.split(".")  # e.g. triton.cudagraph_trees
+        target = inductor_config
+        for part in path:
+            target = getattr(target, part)
+        setattr(target, name, value)
     # Batch sizes and the prefill compile separately (dynamic=False); keep them all.
     torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
 

@@ -407,8 +407,10 @@ class AWQLinear(_HoldsTensors):
     ``qweight``'s rows are the input channels reordered so that each group is contiguous, and
     ``perm`` (int32 ``[K]``, a held tensor like the others) says which: row ``j`` is input channel
     ``perm[j]``.  ``forward`` puts the input in that order before the AWQ matmul, written as a scatter
-    by the inverse order (``perm_inverse``, int64, made from ``perm`` and shared by the layers that share
-    ``perm``): compiled, Inductor computes it in the kernel that makes the input (an RMSNorm), which
+    by the inverse order (``perm_inverse``, int64, not saved, made from ``perm`` and shared by the layers
+    that share ``perm``; remade when ``perm`` is assigned, set by ``set_tensors`` or loaded, not when it is
+    written in place, which a compiled graph then does not see): compiled, Inductor computes it in the
+    kernel that makes the input (an RMSNorm), which
     then reads its own inputs in order and stores each value at its place, where the gather
     ``x.index_select(-1, perm)`` would load them through the order.  The eager CUDA path calls
     ``quantfuse::awq_gemm`` with ``perm`` (the op gathers first).  In a gated MLP ``down_proj``'s
@@ -570,7 +572,10 @@ class AWQLinear(_HoldsTensors):
             y = self.forward_op(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
             return y if out_dtype == compute else y.to(out_dtype)
         if self.perm is not None:  # act-order: x.index_select(-1, perm) as a scatter (see the class doc)
-            x = torch.empty_like(x).index_copy_(-1, self.perm_inverse, x)
+            # Eagerly the inverse is looked up on perm (remade after an in-place write into it); a
+            # compiled graph reads the buffer as an input.
+            inv = self.perm_inverse if torch.compiler.is_compiling() else inverse_order(self.perm)
+            x = torch.empty_like(x).index_copy_(-1, inv, x)
         y = torch.matmul(x, self.dequantized_weight())
         y = y if self.bias is None else y + self.bias
         return y if out_dtype == compute else y.to(out_dtype)
