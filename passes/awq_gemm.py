@@ -364,7 +364,7 @@ class _GPTQ:
     g_idx: Node | None
     tables: tuple[Node, ...]  # graph inputs read as GPTQ's shifts; the op checks their values
     v1: bool
-    perm: bool  # whether awq_gemm reads x through the conversion's perm (False: groups known in order)
+    perm: bool  # whether x is gathered by the conversion's perm before awq_gemm (False: groups known in order)
 
 
 @dataclass(frozen=True)
