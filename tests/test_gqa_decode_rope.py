@@ -1,0 +1,157 @@
+"""``quantfuse::gqa_decode_rope`` (compile_backend/ops/gqa_decode.py): the decode step's attention from
+the projections' outputs, with transformers' rotary embedding and the static cache's write.
+
+CPU: the reference is transformers' ``apply_rotary_pos_emb``, the cache's ``index_copy_`` and the
+attention over repeated heads; the caches are written at the position and nowhere else; bad arguments
+raise naming the argument; the schema, fake and mutation annotations agree (``opcheck``).  The Triton
+kernels run on a CPU through Triton's interpreter where Triton is installed (a subprocess with
+``TRITON_INTERPRET=1``; the interpreter has no bfloat16 arithmetic, so float16 only).  GPU: the kernels
+against float64, the caches written bit for bit as the reference writes them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from gqa_decode_cases import make
+
+from compile_backend.ops import QuantfuseInputError
+from compile_backend.ops.gqa_decode import rope, rope_reference
+
+ROOT = Path(__file__).resolve().parents[1]
+gqa_decode_rope = torch.ops.quantfuse.gqa_decode_rope
+
+
+def transformers_step(q, k, v, k_cache, v_cache, position, cos, sin, mask, scale):
+    """What transformers' Llama attention does in a static-cache decode step (float64 here)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
+
+    d64 = [t.double() for t in (q, k, v, k_cache, v_cache, cos, sin)]
+    q, k, v, k_cache, v_cache, cos, sin = d64
+    q, k = apply_rotary_pos_emb(q, k, cos.squeeze(1), sin.squeeze(1))  # it unsqueezes the head dimension
+    k_cache.index_copy_(2, position.long(), k)
+    v_cache.index_copy_(2, position.long(), v)
+    n = q.shape[1] // k_cache.shape[1]
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.double()
+    out = F.scaled_dot_product_attention(q, repeat_kv(k_cache, n), repeat_kv(v_cache, n), attn_mask=mask, scale=scale)
+    return out, k_cache, v_cache
+
+
+@pytest.mark.parametrize("mask_kind", ["float", "bool", "none"])
+@pytest.mark.parametrize("pos", [0, 17, 39])
+def test_reference_is_transformers_decode_step(mask_kind, pos):
+    args = make(pos=pos, mask_kind=mask_kind)
+    want, want_k, want_v = transformers_step(*args)
+    got = rope_reference(*args)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(args[3].double(), want_k, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(args[4].double(), want_v, rtol=0, atol=0)
+
+
+def test_caches_written_at_the_position_only():
+    args = make(pos=5)
+    k_before, v_before = args[3].clone(), args[4].clone()
+    gqa_decode_rope(*args)
+    others = [i for i in range(args[3].shape[2]) if i != 5]
+    assert torch.equal(args[3][:, :, others], k_before[:, :, others])
+    assert torch.equal(args[4][:, :, others], v_before[:, :, others])
+    assert torch.equal(args[3][:, :, 5:6], rope(args[1], args[6], args[7]))
+    assert torch.equal(args[4][:, :, 5:6], args[2])
+
+
+def test_rope_rounds_once():
+    """float16: computed in float32, rounded to float16 once (not after each of its four operations)."""
+    x = torch.randn(4, 1, 1, 64).half()
+    angle = torch.rand(4, 1, 1, 32) * 6
+    cos, sin = (torch.cat([f(angle)] * 2, -1).half() for f in (torch.cos, torch.sin))
+    half = torch.cat((-x.float()[..., 32:], x.float()[..., :32]), -1)
+    assert torch.equal(rope(x, cos, sin), (x.float() * cos.float() + half * sin.float()).half())
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    (lambda a: {1: a[1][:, :, :, :-1]}, "'k' must be the new token's"),
+    (lambda a: {2: a[2].half()}, "'v' must be torch.float32"),
+    (lambda a: {5: torch.tensor([1, 2])}, "'position' must be one int32 or int64 element"),
+    (lambda a: {5: torch.tensor([1.0])}, "'position' must be one int32 or int64 element"),
+    (lambda a: {6: a[6].squeeze(1)}, "'cos' must be floating"),
+    (lambda a: {7: a[7].int()}, "'sin' must be floating"),
+    (lambda a: {3: a[3][:, :1]}, "'k_cache' and 'v_cache' must be"),
+    (lambda a: {0: a[0][..., :63], 3: a[3][..., :63], 4: a[4][..., :63], 1: a[1][..., :63], 2: a[2][..., :63],
+                6: a[6][..., :63], 7: a[7][..., :63]}, "head size must be even"),
+])
+def test_bad_arguments_are_named(change, match):
+    args = list(make())
+    for i, t in change(args).items():
+        args[i] = t
+    with pytest.raises(QuantfuseInputError, match=match):
+        gqa_decode_rope(*args)
+
+
+def test_opcheck():
+    """Schema (the caches mutated), fake and dispatch agree."""
+    torch.library.opcheck(gqa_decode_rope, make(), test_utils=("test_schema", "test_faketensor"))
+
+
+# --------------------------------------------------------------------------- the kernels, interpreted on a CPU
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter runs on a CPU)")
+def test_kernels_in_the_triton_interpreter():
+    """The split kernel with the rotary and the cache write, run by Triton's interpreter: outputs within
+    float16's rounding of the reference's, the caches written bit for bit as the reference writes them."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(
+        "PYTHONPATH", "")])}
+    tests = str(ROOT / "tests")
+    code = f"import sys; sys.path.insert(0, {tests!r}); import gqa_decode_cases; gqa_decode_cases.interpret()"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+# --------------------------------------------------------------------------- GPU
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", [dict(b=1, hkv=8, n=4, length=679, d=128), dict(b=3, hkv=2, n=1, length=17, d=64),
+                                  dict(b=2, hkv=4, n=8, length=2048, d=128), dict(b=1, hkv=1, n=16, length=300, d=256)])
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_gpu_kernels_match_float64(dtype, case, where):
+    length = case["length"]
+    pos = {"first": 0, "middle": length // 2, "last": length - 1}[where]
+    args = make(pos=pos, dtype=dtype, device="cuda", **case)
+    ref_args = [t.clone() if isinstance(t, torch.Tensor) else t for t in args]
+    got = gqa_decode_rope(*args)
+    want, _, _ = transformers_step(*ref_args)
+    rope_reference(*ref_args)  # the caches as the reference writes them
+    assert torch.equal(args[3], ref_args[3]) and torch.equal(args[4], ref_args[4])
+    rel = ((got.double() - want).norm() / want.norm()).item()
+    assert rel < (2e-3 if dtype == torch.float16 else 1.6e-2), rel
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_in_a_cuda_graph():
+    """Captured once, replayed at successive positions (the position a device tensor the graph reads)."""
+    args = list(make(b=1, hkv=8, n=4, length=256, d=128, pos=10, dtype=torch.float16, device="cuda"))
+    ref_args = [t.clone() if isinstance(t, torch.Tensor) else t for t in args]
+    gqa_decode_rope(*[t.clone() if isinstance(t, torch.Tensor) else t for t in args])  # warm-up (compiles)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gqa_decode_rope(*args)
+    for pos in (10, 11, 12):
+        args[5].fill_(pos)
+        ref_args[5].fill_(pos)
+        graph.replay()
+        want = rope_reference(*ref_args)
+        assert torch.equal(args[3], ref_args[3]) and torch.equal(args[4], ref_args[4]), pos
+        torch.testing.assert_close(out, want, rtol=2e-3, atol=2e-3)
