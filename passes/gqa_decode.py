@@ -49,7 +49,7 @@ becomes ``quantfuse::gqa_decode_rope(q, k, v, k_cache, v_cache, position, cos, s
 (compile_backend/ops/gqa_decode.py: one launch instead of the rotary's and the writes' few
 launch-bound kernels per layer).  Only where each cache is read by nothing but its one write and the
 attention, the rotated query and key by nothing but the attention and the write, ``cos``/``sin``
-are ``[B, 1, 1, D]`` and ``position`` one integer; else the attention alone becomes the op.
+are ``[B or 1, 1, 1, D]`` and ``position`` one integer; else the attention alone becomes the op.
 ``counters["quantfuse"]["gqa_decode_rope"]`` counts these.
 """
 
@@ -211,7 +211,8 @@ def _fuse_rope(graph, sdpa: Node, q: Node, k_cache: Node, v_cache: Node, mask, s
     if not (isinstance(pv, torch.Tensor) and pv.dtype in (torch.int32, torch.int64) and pv.numel() == 1):
         return False
     hkv, d = _shape(k_cache)[1], qs[3]
-    if not (_same(ks, (qs[0], hkv, 1, d)) and _same(vs, ks) and _same(cs, (qs[0], 1, 1, d)) and _same(ss, cs)):
+    if not (_same(ks, (qs[0], hkv, 1, d)) and _same(vs, ks) and len(cs) == 4 and _same(cs[1:], (1, 1, d))
+            and (_same(cs[:1], (1,)) or _same(cs[:1], qs[:1])) and _same(ss, cs)):
         return False
     if set(q.users) != {sdpa} or set(kw[2].users) != {kw[0]}:
         return False

@@ -11,7 +11,9 @@ import torch
 from compile_backend.ops.gqa_decode import reference, rope_reference
 
 
-def make(b=2, hkv=2, n=3, length=40, d=64, pos=17, dtype=torch.float32, device="cpu", mask_kind="float", seed=0):
+def make(b=2, hkv=2, n=3, length=40, d=64, pos=17, dtype=torch.float32, device="cpu", mask_kind="float", seed=0,
+         shared_rope=False):
+    """The op's arguments; ``shared_rope``: one ``cos``/``sin`` row for the whole batch."""
     g = torch.Generator(device=device).manual_seed(seed)
 
     def randn(*shape):
@@ -19,7 +21,7 @@ def make(b=2, hkv=2, n=3, length=40, d=64, pos=17, dtype=torch.float32, device="
 
     q, k, v = randn(b, hkv * n, 1, d), randn(b, hkv, 1, d), randn(b, hkv, 1, d)
     k_cache, v_cache = randn(b, hkv, length, d), randn(b, hkv, length, d)
-    angle = torch.rand(b, 1, 1, d // 2, generator=g, device=device) * 6  # each row its own position
+    angle = torch.rand(1 if shared_rope else b, 1, 1, d // 2, generator=g, device=device) * 6
     cos, sin = (torch.cat([f(angle)] * 2, -1).to(dtype) for f in (torch.cos, torch.sin))
     mask = None
     if mask_kind == "float":
@@ -39,6 +41,7 @@ INTERPRET_CASES = [
     dict(b=2, hkv=2, n=3, length=130, d=64, mask_kind="bool"),
     dict(b=2, hkv=1, n=8, length=257, d=128, mask_kind="float"),
     dict(b=1, hkv=3, n=3, length=64, d=32, mask_kind="float"),
+    dict(b=3, hkv=2, n=2, length=100, d=64, mask_kind="bool", shared_rope=True),
 ]
 
 

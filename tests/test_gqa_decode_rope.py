@@ -47,8 +47,9 @@ def transformers_step(q, k, v, k_cache, v_cache, position, cos, sin, mask, scale
 
 @pytest.mark.parametrize("mask_kind", ["float", "bool", "none"])
 @pytest.mark.parametrize("pos", [0, 17, 39])
-def test_reference_is_transformers_decode_step(mask_kind, pos):
-    args = make(pos=pos, mask_kind=mask_kind)
+@pytest.mark.parametrize("shared_rope", [False, True], ids=["cos-per-row", "cos-shared"])
+def test_reference_is_transformers_decode_step(mask_kind, pos, shared_rope):
+    args = make(pos=pos, mask_kind=mask_kind, shared_rope=shared_rope)
     want, want_k, want_v = transformers_step(*args)
     got = rope_reference(*args)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
@@ -98,6 +99,123 @@ def test_bad_arguments_are_named(change, match):
 def test_opcheck():
     """Schema (the caches mutated), fake and dispatch agree."""
     torch.library.opcheck(gqa_decode_rope, make(), test_utils=("test_schema", "test_faketensor"))
+
+
+# --------------------------------------------------------------------------- the pass
+
+
+def _stand_in_for_cuda_graphs(monkeypatch):
+    """The op is written where the graph runs on CUDA as a CUDA graph; on a CPU, say that it does."""
+    import compile_backend.passes.gqa_decode as gqa_pass
+
+    monkeypatch.setattr(gqa_pass, "_takes_op", lambda nodes, on_cuda_graphs: True)
+
+
+def _decode_steps(model, forward, cfg):
+    """Prefill 5 tokens eagerly into a fresh static cache, then two decode steps by ``forward``:
+    their logits and the caches after them."""
+    import transformers
+
+    cache = transformers.StaticCache(config=cfg, max_cache_len=16)
+    ids = torch.randint(0, cfg.vocab_size, (2, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        model(ids, past_key_values=cache, cache_position=torch.arange(5), use_cache=True)
+        logits = [forward(torch.tensor([[7], [3]]), past_key_values=cache, cache_position=torch.tensor([5])).logits,
+                  forward(torch.tensor([[9], [1]]), past_key_values=cache, cache_position=torch.tensor([6])).logits]
+    return logits, [t.clone() for layer in cache.layers for t in (layer.keys, layer.values)]
+
+
+# Which decoders' attention is transformers' apply_rotary_pos_emb on the whole head (fused) and which
+# rotate part of it (Phi3: rotary_ndims, a slice and a concatenation: the attention alone becomes the op).
+ARCHS = {"Llama": True, "Qwen2": True, "Qwen3": True, "Gemma": True, "Phi3": False}
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_pass_fuses_transformers_decode_step(monkeypatch, arch):
+    """transformers' decode step with a static cache, compiled where the op runs: each layer's rotary,
+    cache writes and attention become one ``gqa_decode_rope``; logits and caches equal eager's."""
+    from test_e2e_hf import tiny_causal_lm
+    from torch._dynamo.utils import counters
+
+    _stand_in_for_cuda_graphs(monkeypatch)
+    model = tiny_causal_lm(arch=arch)
+    cfg = model.config
+    want_logits, want_caches = _decode_steps(model, model, cfg)
+    torch._dynamo.reset()
+    counters.clear()
+    got_logits, got_caches = _decode_steps(model, torch.compile(model, backend="quantfuse"), cfg)
+    layers = cfg.num_hidden_layers
+    assert counters["quantfuse"]["gqa_decode"] == layers
+    assert counters["quantfuse"]["gqa_decode_rope"] == (layers if ARCHS[arch] else 0), dict(counters["quantfuse"])
+    for got, want in zip(got_logits, want_logits):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    for got, want in zip(got_caches, want_caches):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _rotate_half(x):
+    return torch.cat((-x[..., x.shape[-1] // 2:], x[..., :x.shape[-1] // 2]), dim=-1)
+
+
+class CachedAttention(torch.nn.Module):
+    """transformers' decode attention, written out (``variant`` changes one thing)."""
+
+    def __init__(self, variant="as transformers"):
+        super().__init__()
+        self.variant = variant
+        g = torch.Generator().manual_seed(0)
+        self.register_buffer("k_cache", torch.randn(2, 2, 16, 32, generator=g))
+        self.register_buffer("v_cache", torch.randn(2, 2, 16, 32, generator=g))
+
+    def forward(self, q, k, v, cos, sin, position, mask):
+        def rope(x, c, s):
+            return x * c + _rotate_half(x) * s
+
+        q = rope(q, cos, sin)
+        if self.variant == "rotation reversed":
+            k = k * cos + torch.cat((k[..., 16:], -k[..., :16]), dim=-1) * sin
+        elif self.variant == "k's own cos":
+            k = rope(k, cos * 1.0, sin)
+        else:
+            k = rope(k, cos, sin)
+        self.k_cache.index_copy_(2, position, k)
+        self.v_cache.index_copy_(2, position, v)
+        n = q.shape[1] // 2
+        keys = self.k_cache[:, :, None, :, :].expand(2, 2, n, 16, 32).reshape(2, 2 * n, 16, 32)
+        values = self.v_cache[:, :, None, :, :].expand(2, 2, n, 16, 32).reshape(2, 2 * n, 16, 32)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        if self.variant == "cache read elsewhere":
+            return out, self.k_cache.sum()
+        return out
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize(("variant", "fused"), [("as transformers", True), ("rotation reversed", False),
+                                                ("k's own cos", False), ("cache read elsewhere", False)])
+def test_pass_fuses_only_that_form(monkeypatch, variant, fused):
+    """Only the form above is fused; anything else keeps the rotary and the writes, the attention
+    alone becomes the op; every result and cache equals eager's."""
+    from torch._dynamo.utils import counters
+
+    _stand_in_for_cuda_graphs(monkeypatch)
+    g = torch.Generator().manual_seed(2)
+    angle = torch.rand(2, 1, 1, 16, generator=g) * 6
+    args = (torch.randn(2, 6, 1, 32, generator=g), torch.randn(2, 2, 1, 32, generator=g),
+            torch.randn(2, 2, 1, 32, generator=g), torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1),
+            torch.tensor([9]), torch.rand(2, 1, 1, 16, generator=g) < 0.8)
+    args[-1][..., 9] = True
+    eager, compiled = CachedAttention(variant), CachedAttention(variant)
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad():
+        want = eager(*args)
+        got = torch.compile(compiled, backend="quantfuse")(*args)
+    assert counters["quantfuse"]["gqa_decode"] == 1
+    assert counters["quantfuse"]["gqa_decode_rope"] == int(fused)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(compiled.k_cache, eager.k_cache, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(compiled.v_cache, eager.v_cache, rtol=0, atol=0)
 
 
 # --------------------------------------------------------------------------- the kernels, interpreted on a CPU

@@ -149,10 +149,11 @@ lib.impl("gqa_decode", _cuda, "CUDA")
 # with ``q`` ``[B, Hkv*n, 1, D]``, the new ``k`` and ``v`` ``[B, Hkv, 1, D]``, the caches ``[B, Hkv, L, D]``
 # (written in place), ``position`` an int64 tensor of one element in ``[0, L)`` (transformers'
 # ``cache_position``: one token, the same place for every row) and ``cos`` / ``sin`` ``[B, 1, 1, D]`` (each
-# row's own position).  ``rope`` is computed in float32 and rounded to the activations' dtype once.  On CUDA
-# one pair of Triton kernels does all of it: the split kernel rotates the query and the new key as it loads
-# them, uses the new key and value at ``position`` in place of the cache's, and the program whose slice holds
-# ``position`` writes them into the caches; no launch of its own for the rotary or the writes.
+# row's own position) or ``[1, 1, 1, D]`` (one for all: transformers' position ids of a static cache).
+# ``rope`` is computed in float32 and rounded to the activations' dtype once.  On CUDA one pair of Triton
+# kernels does all of it: the split kernel rotates the query and the new key as it loads them, uses the new
+# key and value at ``position`` in place of the cache's, and the program whose slice holds ``position``
+# writes them into the caches; no launch of its own for the rotary or the writes.
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -184,8 +185,9 @@ def _check_rope(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale)
         fail(f"'position' must be one int32 or int64 element on {q.device}, got shape {tuple(position.shape)}, "
              f"{position.dtype} on {position.device}")
     for name, t in (("cos", cos), ("sin", sin)):
-        if tuple(t.shape) != (B, 1, 1, D) or not t.dtype.is_floating_point or t.device != q.device:
-            fail(f"'{name}' must be floating [B={B}, 1, 1, D={D}] on {q.device}, got {tuple(t.shape)}, "
+        if (t.dim() != 4 or t.shape[0] not in (1, B) or tuple(t.shape[1:]) != (1, 1, D)
+                or not t.dtype.is_floating_point or t.device != q.device):
+            fail(f"'{name}' must be floating [B={B} or 1, 1, 1, D={D}] on {q.device}, got {tuple(t.shape)}, "
                  f"{t.dtype} on {t.device}")
 
 

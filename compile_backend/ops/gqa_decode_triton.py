@@ -148,8 +148,9 @@ def gqa_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
         rope_args = (q, q, q, q, q, 0, 0, 0, 0, 0, 0)  # unread (ROPE=False)
     else:
         k_new, v_new, position, cos, sin = rope
+        per_row = [t.stride(0) if t.shape[0] > 1 else 0 for t in (cos, sin)]  # one row: shared by the batch
         rope_args = (k_new, v_new, position, cos, sin, k_new.stride(0), k_new.stride(1), v_new.stride(0),
-                     v_new.stride(1), cos.stride(0), sin.stride(0))
+                     v_new.stride(1), *per_row)
     _gqa_decode_split[(B * Hkv, S)](
         q, k, v, mask_arg, part_o, part_ml, L, chunk, scale * LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
