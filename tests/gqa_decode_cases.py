@@ -1,8 +1,8 @@
-"""Inputs of ``quantfuse::gqa_decode_rope`` for its tests, and the check of the decode attention's Triton
-kernels (with and without the rotary and the cache write) under Triton's interpreter
-(``TRITON_INTERPRET=1``, set before Triton is imported: tests/test_gqa_decode_rope.py runs
-``interpret()`` in a subprocess, CI in the environment that compiles csrc/).  No pytest here: that
-environment lacks it."""
+"""Inputs of ``quantfuse::gqa_decode_rope`` for its tests, and two checks of the decode attention's Triton
+kernels (with and without the rotary and the cache write) that need no GPU: ``interpret()`` runs them
+under Triton's interpreter (``TRITON_INTERPRET=1``, set before Triton is imported:
+tests/test_gqa_decode_rope.py runs it in a subprocess), ``compile_for_hopper()`` compiles them for
+sm_90.  CI runs both in the environment that compiles csrc/; no pytest here: that environment lacks it."""
 
 from __future__ import annotations
 
@@ -65,4 +65,37 @@ def interpret() -> None:
             plain = kernels.gqa_decode_triton(q, k_cache, v_cache, mask, scale)
             err = (plain.float() - reference(q, k_cache, v_cache, mask, scale).float()).abs().max().item()
             assert err < 2e-3, (case, pos, "without the rotary", err)
+    print("ok")
+
+
+def compile_for_hopper() -> None:
+    """Both Triton kernels compiled for sm_90 (PTX and cubin, by Triton's own ptxas) in every
+    specialization the launcher asks for: float16 and bfloat16, with and without the rotary, each kind
+    of mask.  Needs no GPU; prints ok."""
+    import itertools
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from compile_backend.ops import gqa_decode_triton as kernels
+
+    target = GPUTarget("cuda", 90, 32)
+
+    def build(fn, types: dict, constexprs: dict) -> None:
+        names = fn.arg_names
+        signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
+        triton.compile(ASTSource(fn=fn, signature=signature,
+                                 constexprs={(names.index(k),): v for k, v in constexprs.items()}), target=target)
+
+    for dtype, rope, (has_mask, mask_bool) in itertools.product(
+            ("fp16", "bf16"), (False, True), ((False, False), (True, True), (True, False))):
+        act, mask = f"*{dtype}", ("*i1" if mask_bool else f"*{dtype}") if has_mask else f"*{dtype}"
+        build(kernels._gqa_decode_split,
+              dict(q_ptr=act, k_ptr=act, v_ptr=act, m_ptr=mask, part_o="*fp32", part_ml="*fp32", qk_scale="fp32",
+                   kn_ptr=act, vn_ptr=act, pos_ptr="*i64", cos_ptr=act, sin_ptr=act),
+              dict(N=4, NP=16, D=128, BL=kernels.BLOCK_L, HAS_MASK=has_mask, MASK_BOOL=mask_bool, ROPE=rope))
+    for dtype in ("fp16", "bf16"):
+        build(kernels._gqa_decode_combine, dict(part_o="*fp32", part_ml="*fp32", out_ptr=f"*{dtype}"),
+              dict(N=4, NP=16, D=128, SP=16))
     print("ok")
