@@ -216,6 +216,13 @@ def _fuse_rope(graph, sdpa: Node, q: Node, k_cache: Node, v_cache: Node, mask, s
         return False
     if set(q.users) != {sdpa} or set(kw[2].users) != {kw[0]}:
         return False
+    # The op's own checks, where the traced values show them: one device (the op runs there), the new
+    # key and value in the caches' dtype, floating cos and sin.
+    values = [n.meta.get("example_value") for n in (q_raw, k_raw, v_new, k_cache, position, cos, sin)]
+    if not (_takes_op((q_raw, k_raw, v_new, position, cos, sin), True)
+            and len({t.device for t in values}) == 1 and len({t.dtype for t in values[:4]}) == 1
+            and values[5].dtype.is_floating_point and values[6].dtype.is_floating_point):
+        return False
     with graph.inserting_before(sdpa):
         out = graph.call_function(torch.ops.quantfuse.gqa_decode_rope.default,
                                   (q_raw, k_raw, v_new, k_cache, v_cache, position, cos, sin, mask, scale))
