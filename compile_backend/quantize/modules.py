@@ -409,12 +409,12 @@ class AWQLinear(_HoldsTensors):
     ``perm[j]``.  ``forward`` puts the input in that order before the AWQ matmul, written as a scatter
     by the inverse order (``perm_inverse``, int64, not saved, made from ``perm`` and shared by the layers
     that share ``perm``; remade when ``perm`` is assigned, set by ``set_tensors`` or loaded, not when it is
-    written in place, which a compiled graph then does not see): compiled, Inductor computes it in the
-    kernel that makes the input (an RMSNorm), which
-    then reads its own inputs in order and stores each value at its place, where the gather
-    ``x.index_select(-1, perm)`` would load them through the order.  The eager CUDA path calls
-    ``quantfuse::awq_gemm`` with ``perm`` (the op gathers first).  In a gated MLP ``down_proj``'s
-    order is moved into ``gate_proj``'s and ``up_proj``'s output columns instead (``act_order.py``).
+    written in place, which a compiled graph then does not see).  Compiled, Inductor computes it in the
+    kernel that makes the input (an RMSNorm), which then reads its own inputs in order and stores each
+    value at its place, where the gather ``x.index_select(-1, perm)`` would load them through the order.
+    The eager CUDA path calls ``quantfuse::awq_gemm`` with ``perm`` (the op gathers first).  In a gated
+    MLP ``down_proj``'s order is moved into ``gate_proj``'s and ``up_proj``'s output columns instead
+    (``act_order.py``).
     ``dequantized_weight`` is in the stored (reordered) row order.  Without act-order ``perm`` is
     None and the layer is as before (same ``state_dict`` keys).
 
