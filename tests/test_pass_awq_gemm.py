@@ -26,6 +26,7 @@ from torch import nn
 
 from compile_backend.ops import AWQ_ORDER
 from compile_backend.passes import FusionReport, collecting_report
+from compile_backend.passes.fx_helpers import VIEWS
 from compile_backend.passes.report import noted_reasons
 from compile_backend.quantize import AWQLinear, set_tensors
 
@@ -316,7 +317,6 @@ def _gathers(t: Traced) -> int:
 
 
 SCATTERS = (aten.index_put.default, aten.index_copy.default)
-_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 
 def _scatter_of(node) -> bool:
@@ -341,7 +341,7 @@ def test_act_order_scatter_stays_before_the_op(dim, bias, dynamic):
     scatters = [n for n in t.after.graph.nodes if _scatter_of(n)]
     assert len(scatters) == 1 and _gathers(t) == 0, graph_str(t.after)
     x = ops[0].args[0]
-    assert x is scatters[0] or (x.target in _VIEWS and x.args[0] is scatters[0]), graph_str(t.after)
+    assert x is scatters[0] or (x.target in VIEWS and x.args[0] is scatters[0]), graph_str(t.after)
     assert_output_close(t.output, t.expected)
 
 

@@ -322,9 +322,12 @@ def gptq_unpack(packed: torch.Tensor) -> torch.Tensor:
 
 def regroup(g_idx: torch.Tensor, group: int) -> torch.Tensor | None:
     """The order of input channels that makes groups contiguous (``g_idx`` sorted, stably), or None
-    when they already are (``g_idx[k] == k // group``).  ``ValueError`` when some group does not
-    hold exactly ``group`` channels (no contiguous layout serves that)."""
+    when they already are (``g_idx[k] == k // group``).  ``ValueError`` for group indices outside
+    ``[0, K / group)``, or when some group does not hold exactly ``group`` channels (no contiguous
+    layout serves that)."""
     K = g_idx.shape[0]
+    if g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= K // group):
+        raise ValueError(f"holds group indices outside [0, {K // group})")
     in_order = torch.arange(K, device=g_idx.device) // group
     g = g_idx.to(torch.int64)
     if torch.equal(g, in_order):
@@ -343,14 +346,9 @@ def awq_state(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
     ``qzeros`` in the AWQ layout, ``scales``, and ``perm`` (None without act-order: rows sorted by group,
     ``regroup``).  v1 zero points are given back their ``0x11111111`` first (``v1_to_v2_zeros``).
     ``ValueError`` for a ``g_idx`` with group indices out of range or groups of another size."""
-    K = qweight.shape[0] * AWQ_PACK
     q = gptq_unpack(qweight.t().contiguous()).t()  # [K, N]: row 8r + j from bits 4j of qweight[r]
     z = gptq_unpack(v1_to_v2_zeros(qzeros, 4) if v1 else qzeros)  # [K/G, N]
-    perm = None
-    if g_idx is not None:
-        if g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= K // group):
-            raise ValueError(f"holds group indices outside [0, {K // group})")
-        perm = regroup(g_idx, group)
+    perm = None if g_idx is None else regroup(g_idx, group)
     if perm is not None:
         q = q.index_select(0, perm)
     return {"qweight": awq_pack_unchecked(q), "qzeros": awq_pack_unchecked(z), "scales": scales.contiguous(),
@@ -404,10 +402,7 @@ def _check_gptq_values(qzeros, g_idx, group_size, v1, shift_tables):
         fail(op, "qzeros", qzeros, f"v1 zero points stored as 0..{_V1_MAX_STORED_ZERO} (a stored 15, a zero "
              "point of 0 borrowing from its neighbour, is read differently by v1 dequantizations)")
     if g_idx is not None:
-        K = g_idx.shape[0]
         try:
-            if g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= K // group_size):
-                raise ValueError(f"holds group indices outside [0, {K // group_size})")
             regroup(g_idx, group_size)
         except ValueError as exc:
             fail(op, "g_idx", g_idx, f"group indices that put group_size = {group_size} channels in every "
