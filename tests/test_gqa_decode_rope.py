@@ -154,6 +154,37 @@ def test_pass_fuses_transformers_decode_step(monkeypatch, arch):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.compile
+def test_op_reads_the_projections_output_in_place(monkeypatch):
+    """With q, k and v projected by one GEMM (the horizontal pass), the op is handed views of that GEMM's
+    output: no copy of q, k or v to the strides their unfused projections had (at batch > 1 those differ,
+    and each copy would be a kernel launch per layer)."""
+    import re
+
+    from test_e2e_hf import tiny_causal_lm
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import run_and_get_code
+
+    from compile_backend import quantize_model
+
+    _stand_in_for_cuda_graphs(monkeypatch)
+    model = quantize_model(tiny_causal_lm(arch="Llama"), "int8")
+    want_logits, want_caches = _decode_steps(model, model, model.config)
+    torch._dynamo.reset()
+    counters.clear()
+    (got_logits, got_caches), codes = run_and_get_code(_decode_steps, model, torch.compile(model, backend="quantfuse"),
+                                                       model.config)
+    calls = [line for code in codes for line in code.splitlines() if "gqa_decode_rope.default(" in line]
+    assert len(calls) == model.config.num_hidden_layers == counters["quantfuse"]["gqa_decode_rope"], calls
+    view = r"reinterpret_tensor\({}, \([^)]*\), \([^)]*\), \d+\)"  # (buffer, sizes, strides, offset)
+    same_buffer = re.compile(r"gqa_decode_rope\.default\(" + ", ".join(
+        [view.format(r"(buf\d+)"), view.format(r"\1"), view.format(r"\1")]))
+    for call in calls:
+        assert same_buffer.search(call), call
+    for got, want in zip([*got_logits, *got_caches], [*want_logits, *want_caches]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def _rotate_half(x):
     return torch.cat((-x[..., x.shape[-1] // 2:], x[..., :x.shape[-1] // 2]), dim=-1)
 

@@ -132,7 +132,7 @@ def _fake(q, k, v, attn_mask, scale):
 SCHEMA = "gqa_decode(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, float scale) -> Tensor"
 
 # No kernels' library behind it: its CUDA implementation is the Triton kernels, registered here.
-gqa_decode = define_op(SCHEMA, reference, _fake, kernel_dispatch=False, fixed_strides=False)
+gqa_decode = define_op(SCHEMA, reference, _fake, kernel_dispatch=False, strides="any")
 lib.impl("gqa_decode", _cuda, "CUDA")
 
 
@@ -229,5 +229,5 @@ def _rope_fake(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale):
 ROPE_SCHEMA = ("gqa_decode_rope(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
                "Tensor position, Tensor cos, Tensor sin, Tensor? attn_mask, float scale) -> Tensor")
 
-gqa_decode_rope = define_op(ROPE_SCHEMA, rope_reference, _rope_fake, kernel_dispatch=False, fixed_strides=False)
+gqa_decode_rope = define_op(ROPE_SCHEMA, rope_reference, _rope_fake, kernel_dispatch=False, strides="any")
 lib.impl("gqa_decode_rope", _rope_cuda, "CUDA")
