@@ -36,6 +36,21 @@ instead one call of ``quantfuse::gqa_decode`` on the unrepeated keys and values
 (compile_backend/ops/gqa_decode.py: Triton flash decoding, about 1.3x cuDNN's attention on this form).
 The op is a Python call per launch, which only a CUDA graph's replay skips, and has no
 derivative: elsewhere the ``scaled_dot_product_attention`` form above.
+
+Where the op runs, the static cache's writes and the rotary embedding before them go into it too
+when the graph is transformers' decode step (Llama's ``apply_rotary_pos_emb`` and
+``StaticCache.update``)::
+
+    q_r = q * cos + rotate_half(q) * sin;  k_r = k * cos + rotate_half(k) * sin     # same cos, sin
+    k_cache.index_copy_(2, position, k_r);  v_cache.index_copy_(2, position, v)
+    ... the attention above over k_cache and v_cache with q_r
+
+becomes ``quantfuse::gqa_decode_rope(q, k, v, k_cache, v_cache, position, cos, sin, mask, scale)``
+(compile_backend/ops/gqa_decode.py: one launch instead of the rotary's and the writes' few
+launch-bound kernels per layer).  Only where each cache is read by nothing but its one write and the
+attention, the rotated query and key by nothing but the attention and the write, ``cos``/``sin``
+are ``[B or 1, 1, 1, D]`` and ``position`` one integer; else the attention alone becomes the op.
+``counters["quantfuse"]["gqa_decode_rope"]`` counts these.
 """
 
 from __future__ import annotations
@@ -107,6 +122,129 @@ def _takes_op(nodes, on_cuda_graphs: bool) -> bool:
                                   for t in values)
 
 
+def _call(node, *targets) -> bool:
+    return isinstance(node, Node) and node.op == "call_function" and node.target in targets
+
+
+def _binary(node, targets) -> tuple | None:
+    """The two operands of ``node`` where it is one of ``targets`` applied to exactly two, else None."""
+    if _call(node, *targets) and len(node.args) == 2 and not node.kwargs:
+        return node.args
+    return None
+
+
+def _half(node, x: Node, upper: bool) -> bool:
+    """Whether ``node`` is ``x[..., D/2:]`` (``upper``) or ``x[..., :D/2]``."""
+    if not (_call(node, operator.getitem) and node.args[0] is x):
+        return False
+    index, d = node.args[1], _shape(x)[-1]
+    if not (isinstance(index, tuple) and len(index) == 2 and index[0] is Ellipsis and isinstance(index[1], slice)
+            and isinstance(d, int) and d % 2 == 0):
+        return False
+    part = index[1]
+    return part.step in (None, 1) and ((part.start, part.stop) == ((d // 2, None) if upper else (None, d // 2)))
+
+
+def _rotate_half_of(node) -> Node | None:
+    """``x`` where ``node`` is transformers' ``rotate_half(x)``: ``cat((-x[..., D/2:], x[..., :D/2]), -1)``."""
+    if not _call(node, torch.cat):
+        return None
+    parts = node.args[0]
+    dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
+    if not (isinstance(parts, (tuple, list)) and len(parts) == 2 and dim in (-1, 3)):
+        return None
+    neg, lower = parts
+    if not (_call(neg, operator.neg) and isinstance(neg.args[0], Node) and _call(neg.args[0], operator.getitem)):
+        return None
+    x = neg.args[0].args[0]
+    shape = _shape(x)
+    if shape is None or len(shape) != 4:
+        return None
+    return x if _half(neg.args[0], x, True) and _half(lower, x, False) else None
+
+
+def _rope_of(node) -> tuple[Node, Node, Node] | None:
+    """``(x, cos, sin)`` where ``node`` is ``x * cos + rotate_half(x) * sin`` (either operand order)."""
+    terms = _binary(node, (operator.add, torch.add))
+    if terms is None:
+        return None
+    for plain, rotated in (terms, terms[::-1]):
+        first, second = _binary(plain, (operator.mul, torch.mul)), _binary(rotated, (operator.mul, torch.mul))
+        if first is None or second is None:
+            continue
+        for x, cos in (first, first[::-1]):
+            for half, sin in (second, second[::-1]):
+                if all(isinstance(t, Node) for t in (x, cos, sin)) and _rotate_half_of(half) is x:
+                    return x, cos, sin
+    return None
+
+
+def _cache_write(cache: Node) -> tuple[Node, Node, Node] | None:
+    """``(the write, position, value written)`` where ``cache`` is written once by
+    ``cache.index_copy_(2, position, value)`` and read by nothing else but the attention's repeat."""
+    writes = [u for u in cache.users if u.op == "call_method" and u.target == "index_copy_"]
+    if len(writes) != 1 or len(cache.users) != 2:
+        return None
+    write = writes[0]
+    if write.users or write.kwargs or len(write.args) != 4:  # transformers passes (dim, index, source)
+        return None
+    _, dim, position, value = write.args
+    if dim not in (2, -2) or not (isinstance(position, Node) and isinstance(value, Node)):
+        return None
+    return write, position, value
+
+
+def _fuse_rope(graph, sdpa: Node, q: Node, k_cache: Node, v_cache: Node, mask, scale: float) -> bool:
+    """The attention, the rotary embedding of ``q`` and of the key written to ``k_cache``, and both
+    caches' writes as one ``quantfuse::gqa_decode_rope`` (the module doc); False where the graph is
+    not that form (nothing changed)."""
+    kw, vw = _cache_write(k_cache), _cache_write(v_cache)
+    if kw is None or vw is None or kw[1] is not vw[1]:
+        return False
+    position = kw[1]
+    rq, rk = _rope_of(q), _rope_of(kw[2])
+    if rq is None or rk is None or rq[1] is not rk[1] or rq[2] is not rk[2]:
+        return False
+    (q_raw, cos, sin), k_raw, v_new = rq, rk[0], vw[2]
+    qs, ks, vs, cs, ss = (_shape(n) for n in (q_raw, k_raw, v_new, cos, sin))
+    pv = position.meta.get("example_value")
+    if not (isinstance(pv, torch.Tensor) and pv.dtype in (torch.int32, torch.int64) and pv.numel() == 1):
+        return False
+    hkv, d = _shape(k_cache)[1], qs[3]
+    if not (_same(ks, (qs[0], hkv, 1, d)) and _same(vs, ks) and len(cs) == 4 and _same(cs[1:], (1, 1, d))
+            and (_same(cs[:1], (1,)) or _same(cs[:1], qs[:1])) and _same(ss, cs)):
+        return False
+    if set(q.users) != {sdpa} or set(kw[2].users) != {kw[0]}:
+        return False
+    # The op's own checks, where the traced values show them: one device (the op runs there), the new
+    # key and value in the caches' dtype, floating cos and sin.
+    values = [n.meta.get("example_value") for n in (q_raw, k_raw, v_new, k_cache, position, cos, sin)]
+    if not (_takes_op((q_raw, k_raw, v_new, position, cos, sin), True)
+            and len({t.device for t in values}) == 1 and len({t.dtype for t in values[:4]}) == 1
+            and values[5].dtype.is_floating_point and values[6].dtype.is_floating_point):
+        return False
+    with graph.inserting_before(sdpa):
+        out = graph.call_function(torch.ops.quantfuse.gqa_decode_rope.default,
+                                  (q_raw, k_raw, v_new, k_cache, v_cache, position, cos, sin, mask, scale))
+    _replace(graph, sdpa, out, *sdpa.args[1:3])
+    for write in (kw[0], vw[0]):
+        graph.erase_node(write)
+    for rotated in (q, kw[2]):  # the rotary's nodes, now unused
+        _erase_unused(graph, rotated)
+    return True
+
+
+def _erase_unused(graph, node: Node) -> None:
+    """``node`` and then its inputs, each once nothing reads it (only pure nodes of the rotary)."""
+    if node.users or node.op != "call_function":
+        return
+    inputs = [a for a in node.all_input_nodes]
+    graph.erase_node(node)
+    for a in dict.fromkeys(inputs):
+        if _call(a, operator.add, torch.add, operator.mul, torch.mul, operator.neg, operator.getitem, torch.cat):
+            _erase_unused(graph, a)
+
+
 def _rewrite(graph, sdpa: Node, on_cuda_graphs: bool) -> bool:
     # HF passes q, k, v positionally and the rest by keyword; any other call is left alone.
     if len(sdpa.args) != 3:
@@ -130,6 +268,11 @@ def _rewrite(graph, sdpa: Node, on_cuda_graphs: bool) -> bool:
 
     scale = _op_scale(sdpa, qs)
     if scale is not None and _takes_op((q, rk[0], rv[0], mask), on_cuda_graphs):
+        if _fuse_rope(graph, sdpa, q, rk[0], rv[0], mask, scale):
+            from torch._dynamo.utils import counters
+
+            counters["quantfuse"]["gqa_decode_rope"] += 1
+            return True
         with graph.inserting_before(sdpa):
             out = graph.call_function(torch.ops.quantfuse.gqa_decode.default, (q, rk[0], rv[0], mask, scale))
         _replace(graph, sdpa, out, k, v)

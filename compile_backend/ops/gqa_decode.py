@@ -34,24 +34,27 @@ HEAD_DIMS = (32, 64, 128, 256)  # powers of two (tl.dot), those the GPU tests co
 MAX_GROUP = 16  # query heads per key/value head, as rows of one tl.dot (the GPU tests cover up to 16)
 
 
-def _check(q, k, v, attn_mask, scale) -> None:
+def _check(q, k, v, attn_mask, scale, op: str = "gqa_decode", kv: tuple[str, str] = ("k", "v")) -> None:
+    """Raises naming the argument (``kv``: the names of the key and value caches in ``op``'s schema)."""
     def fail(what):
-        raise QuantfuseInputError(f"quantfuse.gqa_decode: {what}")
+        raise QuantfuseInputError(f"quantfuse.{op}: {what}")
 
-    for name, t in (("q", q), ("k", k), ("v", v)):
+    kn, vn = kv
+    for name, t in (("q", q), (kn, k), (vn, v)):
         if t.dim() != 4:
             fail(f"'{name}' must be 4-D, got shape {tuple(t.shape)}")
     B, H, one, D = q.shape
     if one != 1:
         fail(f"'q' must hold one query token ([B, H, 1, D]), got shape {tuple(q.shape)}")
     if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D:
-        fail(f"'k' and 'v' must be [B, Hkv, L, D] with q's B={B} and D={D}, got {tuple(k.shape)} and {tuple(v.shape)}")
+        fail(f"'{kn}' and '{vn}' must be [B, Hkv, L, D] with q's B={B} and D={D}, got {tuple(k.shape)} and "
+             f"{tuple(v.shape)}")
     if k.shape[1] == 0 or H % k.shape[1]:
-        fail(f"'k' heads ({k.shape[1]}) must divide q's heads ({H})")
+        fail(f"'{kn}' heads ({k.shape[1]}) must divide q's heads ({H})")
     if not (q.dtype == k.dtype == v.dtype and q.dtype.is_floating_point):
-        fail(f"'q', 'k' and 'v' must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        fail(f"'q', '{kn}' and '{vn}' must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
-        fail(f"'q', 'k' and 'v' must be on one device, got {q.device}, {k.device}, {v.device}")
+        fail(f"'q', '{kn}' and '{vn}' must be on one device, got {q.device}, {k.device}, {v.device}")
     if attn_mask is not None:
         L = k.shape[2]
         if attn_mask.dim() != 4 or attn_mask.shape[0] != B or attn_mask.shape[1] not in (1, H) or \
@@ -129,5 +132,102 @@ def _fake(q, k, v, attn_mask, scale):
 SCHEMA = "gqa_decode(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, float scale) -> Tensor"
 
 # No kernels' library behind it: its CUDA implementation is the Triton kernels, registered here.
-gqa_decode = define_op(SCHEMA, reference, _fake, kernel_dispatch=False, fixed_strides=False)
+gqa_decode = define_op(SCHEMA, reference, _fake, kernel_dispatch=False, strides="any")
 lib.impl("gqa_decode", _cuda, "CUDA")
+
+
+# --------------------------------------------------------------------------- with rotary and the cache write
+#
+# ``gqa_decode_rope(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale)``: the decode step's
+# attention from the projections' outputs, as transformers' Llama-family attention computes it with a
+# static cache::
+#
+#     q_r, k_r = rope(q), rope(k)                       # rope(x) = x * cos + rotate_half(x) * sin
+#     k_cache[:, :, position] = k_r; v_cache[:, :, position] = v
+#     return gqa_decode(q_r, k_cache, v_cache, attn_mask, scale)
+#
+# with ``q`` ``[B, Hkv*n, 1, D]``, the new ``k`` and ``v`` ``[B, Hkv, 1, D]``, the caches ``[B, Hkv, L, D]``
+# (written in place), ``position`` an int64 tensor of one element in ``[0, L)`` (transformers'
+# ``cache_position``: one token, the same place for every row) and ``cos`` / ``sin`` ``[B, 1, 1, D]`` (each
+# row's own position) or ``[1, 1, 1, D]`` (one for all: transformers' position ids of a static cache).
+# ``rope`` is computed in float32 and rounded to the activations' dtype once.  On CUDA one pair of Triton
+# kernels does all of it: the split kernel rotates the query and the new key as it loads them, uses the new
+# key and value at ``position`` in place of the cache's, and the program whose slice holds ``position``
+# writes them into the caches; no launch of its own for the rotary or the writes.
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` in float32, rounded to ``x``'s dtype once."""
+    xf = x.float()
+    return (xf * cos.float() + rotate_half(xf) * sin.float()).to(x.dtype)
+
+
+def _check_rope(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale) -> None:
+    def fail(what):
+        raise QuantfuseInputError(f"quantfuse.gqa_decode_rope: {what}")
+
+    _check(q, k_cache, v_cache, attn_mask, scale, "gqa_decode_rope", ("k_cache", "v_cache"))
+    B, _, _, D = q.shape
+    Hkv = k_cache.shape[1]
+    for name, t in (("k", k), ("v", v)):
+        if tuple(t.shape) != (B, Hkv, 1, D):
+            fail(f"'{name}' must be the new token's [B={B}, Hkv={Hkv}, 1, D={D}], got {tuple(t.shape)}")
+        if t.dtype != q.dtype or t.device != q.device:
+            fail(f"'{name}' must be {q.dtype} on {q.device}, got {t.dtype} on {t.device}")
+    if D % 2:
+        fail(f"the head size must be even for rotate_half, got {D}")
+    if position.numel() != 1 or position.dtype not in (torch.int32, torch.int64) or position.device != q.device:
+        fail(f"'position' must be one int32 or int64 element on {q.device}, got shape {tuple(position.shape)}, "
+             f"{position.dtype} on {position.device}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if (t.dim() != 4 or t.shape[0] not in (1, B) or tuple(t.shape[1:]) != (1, 1, D)
+                or not t.dtype.is_floating_point or t.device != q.device):
+            fail(f"'{name}' must be floating [B={B} or 1, 1, 1, D={D}] on {q.device}, got {tuple(t.shape)}, "
+                 f"{t.dtype} on {t.device}")
+
+
+def rope_reference(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale):
+    """What the op does, in torch ops: ``rope``, the cache writes (``index_copy_``), ``gqa_decode``'s
+    reference."""
+    _check_rope(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale)
+    index = position.reshape(1).long()
+    k_cache.index_copy_(2, index, rope(k, cos, sin))
+    v_cache.index_copy_(2, index, v)
+    return _on_kv_heads(rope(q, cos, sin), k_cache, v_cache, attn_mask, scale)
+
+
+def _rope_cuda(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale):
+    _check_rope(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale)
+    reason = kernel_refusal(q, k_cache, v_cache, attn_mask) or rope_kernel_refusal(k, v, k_cache, v_cache, cos, sin)
+    if reason is not None:
+        log.debug("quantfuse.gqa_decode_rope: reference runs: %s", reason)
+        return rope_reference(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale)
+    from .gqa_decode_triton import gqa_decode_triton
+
+    with torch.cuda.device(q.device):
+        return gqa_decode_triton(q, k_cache, v_cache, attn_mask, scale, rope=(k, v, position, cos, sin))
+
+
+def rope_kernel_refusal(k, v, k_cache, v_cache, cos, sin) -> str | None:
+    """Why the kernels cannot take the rotary part of these (valid) arguments, or None."""
+    if k.stride(3) != 1 or v.stride(3) != 1 or cos.stride(3) != 1 or sin.stride(3) != 1:
+        return "a new key, value, cos or sin whose head dimension is not contiguous"
+    if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        return "a cache whose head dimension is not contiguous"
+    return None
+
+
+def _rope_fake(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale):
+    return q.new_empty(q.shape)
+
+
+ROPE_SCHEMA = ("gqa_decode_rope(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+               "Tensor position, Tensor cos, Tensor sin, Tensor? attn_mask, float scale) -> Tensor")
+
+gqa_decode_rope = define_op(ROPE_SCHEMA, rope_reference, _rope_fake, kernel_dispatch=False, strides="any")
+lib.impl("gqa_decode_rope", _rope_cuda, "CUDA")

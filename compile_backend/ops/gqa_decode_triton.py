@@ -23,10 +23,21 @@ LOG2E = tl.constexpr(1.4426950408889634)  # scores are kept in base 2: exp(x) = 
 
 
 @triton.jit
+def _rotated(ptr, rd, D: tl.constexpr, cos, sin, dtype: tl.constexpr):
+    """``rope`` of the ``D`` values at ``ptr`` (ops/gqa_decode.py): float32, rounded to ``dtype`` once.
+    ``rotate_half`` reads the other half: element d takes -x[d + D/2] below D/2 and x[d - D/2] above."""
+    x = tl.load(ptr + rd).to(tl.float32)
+    other = tl.load(ptr + (rd + D // 2) % D).to(tl.float32)
+    other = tl.where(rd < D // 2, -other, other)
+    return (x * cos + other * sin).to(dtype)
+
+
+@triton.jit
 def _gqa_decode_split(q_ptr, k_ptr, v_ptr, m_ptr, part_o, part_ml, L, chunk, qk_scale,
                       sq_b, sq_h, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l, sm_b, sm_h, sm_l, HKV,
+                      kn_ptr, vn_ptr, pos_ptr, cos_ptr, sin_ptr, skn_b, skn_h, svn_b, svn_h, sc_b, ss_b,
                       N: tl.constexpr, NP: tl.constexpr, D: tl.constexpr, BL: tl.constexpr,
-                      S, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr):
+                      S, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, ROPE: tl.constexpr):
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // HKV
@@ -35,16 +46,36 @@ def _gqa_decode_split(q_ptr, k_ptr, v_ptr, m_ptr, part_o, part_ml, L, chunk, qk_
     rd = tl.arange(0, D)
     rl = tl.arange(0, BL)
     heads = h * N + rn  # the query heads of key/value head h
-    q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + rd[None, :], mask=rn[:, None] < N, other=0.0)
+    start = split * chunk
+    end = tl.minimum(start + chunk, L)
+    if ROPE:
+        # The query rotated as it is loaded; the new key rotated and, with the new value, used at
+        # `pos` in place of what the cache holds there, and written there by the program whose
+        # slice holds it (no program reads the cache at `pos`).
+        cos = tl.load(cos_ptr + b * sc_b + rd).to(tl.float32)
+        sin = tl.load(sin_ptr + b * ss_b + rd).to(tl.float32)
+        q_rows = q_ptr + b * sq_b + heads[:, None] * sq_h
+        q_x = tl.load(q_rows + rd[None, :], mask=rn[:, None] < N, other=0.0)
+        q_o = tl.load(q_rows + ((rd + D // 2) % D)[None, :], mask=rn[:, None] < N, other=0.0).to(tl.float32)
+        q_o = tl.where(rd[None, :] < D // 2, -q_o, q_o)
+        q = (q_x.to(tl.float32) * cos[None, :] + q_o * sin[None, :]).to(q_x.dtype)
+        pos = tl.load(pos_ptr).to(tl.int64)
+        k_new = _rotated(kn_ptr + b * skn_b + h * skn_h, rd, D, cos, sin, q_x.dtype)
+        v_new = tl.load(vn_ptr + b * svn_b + h * svn_h + rd)
+        mine = (pos >= start) & (pos < end)
+        tl.store(k_ptr + b * sk_b + h * sk_h + pos * sk_l + rd, k_new, mask=mine & (rd < D))
+        tl.store(v_ptr + b * sv_b + h * sv_h + pos * sv_l + rd, v_new, mask=mine & (rd < D))
+    else:
+        q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + rd[None, :], mask=rn[:, None] < N, other=0.0)
     m_i = tl.full((NP,), -float("inf"), tl.float32)
     l_i = tl.zeros((NP,), tl.float32)
     acc = tl.zeros((NP, D), tl.float32)
-    start = split * chunk
-    end = tl.minimum(start + chunk, L)
     for l0 in range(start, end, BL):
         offs = l0 + rl
         valid = offs < end
         k = tl.load(k_ptr + b * sk_b + h * sk_h + offs[:, None] * sk_l + rd[None, :], mask=valid[:, None], other=0.0)
+        if ROPE:
+            k = tl.where((offs == pos)[:, None], k_new[None, :], k)
         s = tl.dot(q, tl.trans(k)) * qk_scale  # qk_scale = scale * log2(e)
         if HAS_MASK:
             mk = tl.load(m_ptr + b * sm_b + heads[:, None] * sm_h + offs[None, :] * sm_l,
@@ -61,6 +92,8 @@ def _gqa_decode_split(q_ptr, k_ptr, v_ptr, m_ptr, part_o, part_ml, L, chunk, qk_
         p = tl.exp2(s - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + b * sv_b + h * sv_h + offs[:, None] * sv_l + rd[None, :], mask=valid[:, None], other=0.0)
+        if ROPE:
+            v = tl.where((offs == pos)[:, None], v_new[None, :], v)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     row = (bh * S + split) * NP + rn
@@ -90,9 +123,11 @@ def _gqa_decode_combine(part_o, part_ml, out_ptr, so_b, so_h, HKV, S,
 
 
 def gqa_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                      scale: float) -> torch.Tensor:
+                      scale: float, rope: tuple | None = None) -> torch.Tensor:
     """``q`` [B, Hkv*n, 1, D], ``k``/``v`` [B, Hkv, L, D] (last dim contiguous), ``mask``
-    [B, 1 or Hkv*n, 1, L] (float, added to the scores, or bool, True = attend) or None."""
+    [B, 1 or Hkv*n, 1, L] (float, added to the scores, or bool, True = attend) or None.  ``rope``:
+    ``(k_new, v_new, position, cos, sin)`` of ``quantfuse::gqa_decode_rope`` (``q`` then un-rotated,
+    ``k``/``v`` the caches, written at ``position``)."""
     B, H, _, D = q.shape
     Hkv, L = k.shape[1], k.shape[2]
     n = H // Hkv
@@ -109,12 +144,19 @@ def gqa_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     else:
         m = mask.expand(B, H, 1, L)  # a view: a shared head dimension gets stride 0
         mask_arg, (sm_b, sm_h, _, sm_l) = m, m.stride()
+    if rope is None:
+        rope_args = (q, q, q, q, q, 0, 0, 0, 0, 0, 0)  # unread (ROPE=False)
+    else:
+        k_new, v_new, position, cos, sin = rope
+        per_row = [t.stride(0) if t.shape[0] > 1 else 0 for t in (cos, sin)]  # one row: shared by the batch
+        rope_args = (k_new, v_new, position, cos, sin, k_new.stride(0), k_new.stride(1), v_new.stride(0),
+                     v_new.stride(1), *per_row)
     _gqa_decode_split[(B * Hkv, S)](
         q, k, v, mask_arg, part_o, part_ml, L, chunk, scale * LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        sm_b, sm_h, sm_l, Hkv,
+        sm_b, sm_h, sm_l, Hkv, *rope_args,
         N=n, NP=NP, D=D, BL=BLOCK_L, S=S, HAS_MASK=mask is not None,
-        MASK_BOOL=mask is not None and mask.dtype == torch.bool, num_warps=4, num_stages=2)
+        MASK_BOOL=mask is not None and mask.dtype == torch.bool, ROPE=rope is not None, num_warps=4, num_stages=2)
     _gqa_decode_combine[(B * Hkv, n)](part_o, part_ml, out, out.stride(0), out.stride(1), Hkv, S,
                                       N=n, NP=NP, D=D, SP=triton.next_power_of_2(S), num_warps=4)
     return out

@@ -1,0 +1,101 @@
+"""Inputs of ``quantfuse::gqa_decode_rope`` for its tests, and two checks of the decode attention's Triton
+kernels (with and without the rotary and the cache write) that need no GPU: ``interpret()`` runs them
+under Triton's interpreter (``TRITON_INTERPRET=1``, set before Triton is imported:
+tests/test_gqa_decode_rope.py runs it in a subprocess), ``compile_for_hopper()`` compiles them for
+sm_90.  CI runs both in the environment that compiles csrc/; no pytest here: that environment lacks it."""
+
+from __future__ import annotations
+
+import torch
+
+from compile_backend.ops.gqa_decode import reference, rope_reference
+
+
+def make(b=2, hkv=2, n=3, length=40, d=64, pos=17, dtype=torch.float32, device="cpu", mask_kind="float", seed=0,
+         shared_rope=False):
+    """The op's arguments; ``shared_rope``: one ``cos``/``sin`` row for the whole batch."""
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, device=device).to(dtype)
+
+    q, k, v = randn(b, hkv * n, 1, d), randn(b, hkv, 1, d), randn(b, hkv, 1, d)
+    k_cache, v_cache = randn(b, hkv, length, d), randn(b, hkv, length, d)
+    angle = torch.rand(1 if shared_rope else b, 1, 1, d // 2, generator=g, device=device) * 6
+    cos, sin = (torch.cat([f(angle)] * 2, -1).to(dtype) for f in (torch.cos, torch.sin))
+    mask = None
+    if mask_kind == "float":
+        mask = torch.where(torch.rand(b, 1, 1, length, generator=g, device=device) < 0.7, 0.0,
+                           torch.finfo(dtype).min).to(dtype)
+    elif mask_kind == "bool":
+        mask = torch.rand(b, 1, 1, length, generator=g, device=device) < 0.7
+    if mask is not None:
+        mask[..., pos] = 0 if mask.dtype != torch.bool else True
+    return q, k, v, k_cache, v_cache, torch.tensor([pos], device=device), cos, sin, mask, d ** -0.5
+
+
+
+# Float16 only: the interpreter has no bfloat16 arithmetic.
+INTERPRET_CASES = [
+    dict(b=1, hkv=2, n=4, length=40, d=64, mask_kind="none"),
+    dict(b=2, hkv=2, n=3, length=130, d=64, mask_kind="bool"),
+    dict(b=2, hkv=1, n=8, length=257, d=128, mask_kind="float"),
+    dict(b=1, hkv=3, n=3, length=64, d=32, mask_kind="float"),
+    dict(b=3, hkv=2, n=2, length=100, d=64, mask_kind="bool", shared_rope=True),
+]
+
+
+def interpret() -> None:
+    """The kernels against the references: ``gqa_decode``'s within float16's rounding; with the rotary and
+    the cache write (``rope_reference``) the same, and the caches bit for bit; prints ok."""
+    from compile_backend.ops import gqa_decode_triton as kernels
+
+    # The launcher sizes its grid by the GPU's SMs; the interpreter has none.
+    torch.cuda.get_device_properties = lambda device: type("Properties", (), {"multi_processor_count": 4})()
+    for case in INTERPRET_CASES:
+        for pos in (0, case["length"] // 2, case["length"] - 1):
+            args = make(pos=pos, dtype=torch.float16, **case)
+            k_cache, v_cache = args[3].clone(), args[4].clone()
+            want = rope_reference(*args)
+            q, k, v, _, _, position, cos, sin, mask, scale = args
+            got = kernels.gqa_decode_triton(q, k_cache, v_cache, mask, scale, rope=(k, v, position, cos, sin))
+            err = (got.float() - want.float()).abs().max().item()
+            assert err < 2e-3, (case, pos, err)
+            assert torch.equal(k_cache, args[3]) and torch.equal(v_cache, args[4]), (case, pos, "the caches differ")
+            plain = kernels.gqa_decode_triton(q, k_cache, v_cache, mask, scale)
+            err = (plain.float() - reference(q, k_cache, v_cache, mask, scale).float()).abs().max().item()
+            assert err < 2e-3, (case, pos, "without the rotary", err)
+    print("ok")
+
+
+def compile_for_hopper() -> None:
+    """Both Triton kernels compiled for sm_90 (PTX and cubin, by Triton's own ptxas) in every
+    specialization the launcher asks for: float16 and bfloat16, with and without the rotary, each kind
+    of mask.  Needs no GPU; prints ok."""
+    import itertools
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from compile_backend.ops import gqa_decode_triton as kernels
+
+    target = GPUTarget("cuda", 90, 32)
+
+    def build(fn, types: dict, constexprs: dict) -> None:
+        names = fn.arg_names
+        signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
+        triton.compile(ASTSource(fn=fn, signature=signature,
+                                 constexprs={(names.index(k),): v for k, v in constexprs.items()}), target=target)
+
+    for dtype, rope, (has_mask, mask_bool) in itertools.product(
+            ("fp16", "bf16"), (False, True), ((False, False), (True, True), (True, False))):
+        act, mask = f"*{dtype}", ("*i1" if mask_bool else f"*{dtype}") if has_mask else f"*{dtype}"
+        build(kernels._gqa_decode_split,
+              dict(q_ptr=act, k_ptr=act, v_ptr=act, m_ptr=mask, part_o="*fp32", part_ml="*fp32", qk_scale="fp32",
+                   kn_ptr=act, vn_ptr=act, pos_ptr="*i64", cos_ptr=act, sin_ptr=act),
+              dict(N=4, NP=16, D=128, BL=kernels.BLOCK_L, HAS_MASK=has_mask, MASK_BOOL=mask_bool, ROPE=rope))
+    for dtype in ("fp16", "bf16"):
+        build(kernels._gqa_decode_combine, dict(part_o="*fp32", part_ml="*fp32", out_ptr=f"*{dtype}"),
+              dict(N=4, NP=16, D=128, SP=16))
+    print("ok")
