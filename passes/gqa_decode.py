@@ -51,6 +51,13 @@ launch-bound kernels per layer).  Only where each cache is read by nothing but i
 attention, the rotated query and key by nothing but the attention and the write, ``cos``/``sin``
 are ``[B or 1, 1, 1, D]`` and ``position`` one integer; else the attention alone becomes the op.
 ``counters["quantfuse"]["gqa_decode_rope"]`` counts these.
+
+Where the op's result goes, through views only, to an act-order layer that puts its input in its order
+(``AWQLinear``'s ``torch.empty_like(x).index_copy_(-1, perm_inverse, x)`` before ``o_proj``), the op
+stores its values in that order itself (its ``out_order``) and the scatter is removed: the reshapes
+between are checked by what they compute (each batch row of the result, heads then head dimensions,
+is the last dimension of ``x``), nothing else reads the values in between, and the order is a graph
+input (a module's buffer).  ``counters["quantfuse"]["gqa_decode_out_order"]`` counts these.
 """
 
 from __future__ import annotations
@@ -316,6 +323,88 @@ def _replace(graph, sdpa: Node, out: Node, k: Node, v: Node) -> None:
             graph.erase_node(node)
 
 
+# What may stand between the op and the scatter: views and copies that keep every value (``to`` only
+# changes the dtype); which element goes where is then checked on a probe (``_same_rows``).
+_ORDER_METHODS = ("reshape", "view", "transpose", "contiguous", "flatten", "to")
+_ORDER_FUNCTIONS = (torch.reshape, torch.transpose, torch.flatten)
+OPS = (torch.ops.quantfuse.gqa_decode.default, torch.ops.quantfuse.gqa_decode_rope.default)
+
+
+def _keeps_values(node: Node, x: Node) -> bool:
+    """``node`` is one of the views above applied to ``x``, with every other argument a constant."""
+    if not ((node.op == "call_method" and node.target in _ORDER_METHODS)
+            or (node.op == "call_function" and node.target in _ORDER_FUNCTIONS)):
+        return False
+    if not node.args or node.args[0] is not x:
+        return False
+    if node.target == "to":  # a dtype change only
+        return len(node.args) == 2 and isinstance(node.args[1], torch.dtype) and not node.kwargs
+    return not node.kwargs and node.all_input_nodes == [x]
+
+
+def _same_rows(chain: list[Node], shape: tuple[int, ...]) -> bool:
+    """Whether the views of ``chain`` take the op's ``[B, H, 1, D]`` result to a tensor whose last
+    dimension is each batch row's ``H*D`` values in the op's order (run on an index probe)."""
+    B = shape[0]
+    probe = torch.arange(math.prod(shape), dtype=torch.float64).reshape(shape)
+    t = probe
+    try:
+        for node in chain:
+            if node.target == "to":
+                continue
+            args = node.args[1:]
+            t = getattr(t, node.target)(*args) if node.op == "call_method" else node.target(t, *args)
+    except Exception:  # a view these shapes do not allow: not the form
+        return False
+    row = math.prod(shape[1:])
+    return t.dim() >= 1 and t.shape[-1] == row and torch.equal(t.reshape(-1, row), probe.reshape(B, row))
+
+
+def _output_scatter(op: Node) -> tuple[Node, Node, Node, Node] | None:
+    """``(x, empty, scatter, order)`` where ``op``'s result reaches ``x`` through views read by nothing
+    else and ``x`` is put in ``order`` by ``torch.empty_like(x).index_copy_(-1, order, x)`` alone."""
+    shape = _shape(op.args[0])  # q: the result's [B, H, 1, D]
+    if shape is None or not all(isinstance(d, int) for d in shape):
+        return None
+    node, chain = op, []
+    while True:
+        users = list(node.users)
+        copies = [u for u in users if u.op == "call_method" and u.target == "index_copy_" and len(u.args) == 4
+                  and u.args[3] is node and not u.kwargs]
+        if copies:
+            break
+        if len(users) != 1 or not _keeps_values(users[0], node):
+            return None
+        node = users[0]
+        chain.append(node)
+    x, scatter = node, copies[0]
+    empty, dim, order = scatter.args[:3]
+    xv, ov = x.meta.get("example_value"), getattr(order, "meta", {}).get("example_value")
+    if not (isinstance(empty, Node) and empty.op == "call_function" and empty.target is torch.empty_like
+            and empty.args == (x,) and not empty.kwargs and set(empty.users) == {scatter}
+            and set(x.users) == {empty, scatter} and isinstance(xv, torch.Tensor)
+            and dim in (-1, xv.dim() - 1)):
+        return None
+    if not (isinstance(order, Node) and order.op in ("placeholder", "get_attr") and isinstance(ov, torch.Tensor)
+            and ov.dim() == 1 and ov.dtype in (torch.int32, torch.int64) and ov.shape[0] == math.prod(shape[1:])
+            and ov.device == xv.device):
+        return None
+    return (x, empty, scatter, order) if _same_rows(chain, shape) else None
+
+
+def _fold_output_order(graph, op: Node) -> bool:
+    """Moves an act-order layer's input order after ``op`` into ``op`` (the module doc)."""
+    found = _output_scatter(op)
+    if found is None:
+        return False
+    x, empty, scatter, order = found
+    op.args = (*op.args, order)
+    scatter.replace_all_uses_with(x)
+    graph.erase_node(scatter)
+    graph.erase_node(empty)
+    return True
+
+
 def pack_gqa_decode(gm: GraphModule, on_cuda_graphs: bool = False) -> int:
     """Rewrites each one-token attention over repeated keys and values in ``gm`` (see the module
     doc); returns how many.  The repeats it leaves unused are removed.  ``on_cuda_graphs``: the
@@ -323,6 +412,13 @@ def pack_gqa_decode(gm: GraphModule, on_cuda_graphs: bool = False) -> int:
     graph = gm.graph
     rewritten = sum(_rewrite(graph, node, on_cuda_graphs) for node in list(graph.nodes)
                     if node.op == "call_function" and node.target in SDPA)
+    ordered = sum(_fold_output_order(graph, node) for node in list(graph.nodes)
+                  if node.op == "call_function" and node.target in OPS)
+    if ordered:
+        from torch._dynamo.utils import counters
+
+        counters["quantfuse"]["gqa_decode_out_order"] += ordered
+        log.info("quantfuse: %d act-order input order(s) stored by the decode attention", ordered)
     if rewritten:
         graph.lint()
         gm.recompile()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from compile_backend.ops.gqa_decode import reference, rope_reference
+from compile_backend.ops.gqa_decode import placed, reference, rope_reference
 
 
 def make(b=2, hkv=2, n=3, length=40, d=64, pos=17, dtype=torch.float32, device="cpu", mask_kind="float", seed=0,
@@ -33,6 +33,12 @@ def make(b=2, hkv=2, n=3, length=40, d=64, pos=17, dtype=torch.float32, device="
         mask[..., pos] = 0 if mask.dtype != torch.bool else True
     return q, k, v, k_cache, v_cache, torch.tensor([pos], device=device), cos, sin, mask, d ** -0.5
 
+
+
+def out_order(q: torch.Tensor, seed: int = 3) -> torch.Tensor:
+    """A random ``out_order`` for ``q``'s heads and head size (int64, ``q``'s device)."""
+    B, H, _, D = q.shape
+    return torch.randperm(H * D, generator=torch.Generator().manual_seed(seed)).to(q.device)
 
 
 # Float16 only: the interpreter has no bfloat16 arithmetic.
@@ -65,13 +71,21 @@ def interpret() -> None:
             plain = kernels.gqa_decode_triton(q, k_cache, v_cache, mask, scale)
             err = (plain.float() - reference(q, k_cache, v_cache, mask, scale).float()).abs().max().item()
             assert err < 2e-3, (case, pos, "without the rotary", err)
+            # The values stored in another order: exactly the same values, each at its place.
+            order = out_order(q)
+            for stored, expected in (
+                    (kernels.gqa_decode_triton(q, k_cache, v_cache, mask, scale, out_order=order),
+                     placed(plain, order)),
+                    (kernels.gqa_decode_triton(q, args[3].clone(), args[4].clone(), mask, scale,
+                                               rope=(k, v, position, cos, sin), out_order=order), placed(got, order))):
+                assert torch.equal(stored, expected), (case, pos, "out_order")
     print("ok")
 
 
 def compile_for_hopper() -> None:
     """Both Triton kernels compiled for sm_90 (PTX and cubin, by Triton's own ptxas) in every
     specialization the launcher asks for: float16 and bfloat16, with and without the rotary, each kind
-    of mask.  Needs no GPU; prints ok."""
+    of mask, with and without an output order.  Needs no GPU; prints ok."""
     import itertools
 
     import triton
@@ -95,7 +109,8 @@ def compile_for_hopper() -> None:
               dict(q_ptr=act, k_ptr=act, v_ptr=act, m_ptr=mask, part_o="*fp32", part_ml="*fp32", qk_scale="fp32",
                    kn_ptr=act, vn_ptr=act, pos_ptr="*i64", cos_ptr=act, sin_ptr=act),
               dict(N=4, NP=16, D=128, BL=kernels.BLOCK_L, HAS_MASK=has_mask, MASK_BOOL=mask_bool, ROPE=rope))
-    for dtype in ("fp16", "bf16"):
-        build(kernels._gqa_decode_combine, dict(part_o="*fp32", part_ml="*fp32", out_ptr=f"*{dtype}"),
-              dict(N=4, NP=16, D=128, SP=16))
+    for dtype, order in itertools.product(("fp16", "bf16"), (False, True)):
+        build(kernels._gqa_decode_combine,
+              dict(part_o="*fp32", part_ml="*fp32", out_ptr=f"*{dtype}", order_ptr="*i64" if order else "*fp32"),
+              dict(N=4, NP=16, D=128, SP=16, ORDER=order))
     print("ok")

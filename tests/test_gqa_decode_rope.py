@@ -20,13 +20,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from gqa_decode_cases import make
+from gqa_decode_cases import make, out_order
 
 from compile_backend.ops import QuantfuseInputError
 from compile_backend.ops.gqa_decode import rope, rope_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 gqa_decode_rope = torch.ops.quantfuse.gqa_decode_rope
+gqa_decode = torch.ops.quantfuse.gqa_decode
 
 
 def transformers_step(q, k, v, k_cache, v_cache, position, cos, sin, mask, scale):
@@ -249,6 +250,133 @@ def test_pass_fuses_only_that_form(monkeypatch, variant, fused):
     torch.testing.assert_close(compiled.v_cache, eager.v_cache, rtol=0, atol=0)
 
 
+# --------------------------------------------------------------------------- the output order (act-order o_proj)
+
+
+@pytest.mark.parametrize("rotary", [False, True], ids=["gqa_decode", "gqa_decode_rope"])
+def test_out_order_stores_each_value_at_its_place(rotary):
+    """``out_order``: each batch row's H*D values (heads, then head dimensions) stored at
+    ``out_order``'s places, the values themselves those of the op without it."""
+    args = make(mask_kind="bool")
+    q = args[0]
+    order = out_order(q)
+    if rotary:
+        plain = gqa_decode_rope(*[t.clone() if isinstance(t, torch.Tensor) else t for t in args])
+        got = gqa_decode_rope(*args, order)
+    else:
+        plain = gqa_decode(q, args[3], args[4], args[8], args[9])
+        got = gqa_decode(q, args[3], args[4], args[8], args[9], order)
+    B = q.shape[0]
+    assert got.shape == plain.shape
+    assert torch.equal(got.reshape(B, -1)[:, order], plain.reshape(B, -1))
+
+
+@pytest.mark.parametrize("order", [torch.arange(10), torch.arange(2 * 3 * 64).float(), torch.arange(2 * 3 * 64)[None]])
+def test_bad_out_order_is_named(order):
+    args = make()
+    with pytest.raises(QuantfuseInputError, match="'out_order' must be an int32 or int64 permutation of H\\*D = 384"):
+        gqa_decode_rope(*args, order)
+    with pytest.raises(QuantfuseInputError, match="quantfuse.gqa_decode: 'out_order'"):
+        gqa_decode(args[0], args[3], args[4], args[8], args[9], order)
+
+
+def test_opcheck_with_out_order():
+    args = make()
+    torch.library.opcheck(gqa_decode_rope, (*args, out_order(args[0])), test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(gqa_decode, (args[0], args[3], args[4], args[8], args[9], out_order(args[0])),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def _act_order_o_proj(model):
+    """Each layer's ``o_proj`` as a GPTQ act-order checkpoint loads it (``AWQLinear`` with ``perm``)."""
+    from compile_backend.quantize.modules import AWQLinear
+
+    for i, layer in enumerate(model.model.layers):
+        o = layer.self_attn.o_proj
+        state = {k: v for k, v in o.state_dict().items() if v is not None}
+        perm = torch.randperm(o.in_features, generator=torch.Generator().manual_seed(i))
+        rebuilt = AWQLinear.from_state_dict({**state, "perm": perm}, group_size=o.group_size)
+        rebuilt.out_dtype = o.out_dtype
+        layer.self_attn.o_proj = rebuilt
+    return model
+
+
+@pytest.mark.compile
+def test_pass_stores_o_projs_input_order(monkeypatch):
+    """transformers' decode step with act-order ``o_proj`` layers: each layer's attention stores its result
+    in ``o_proj``'s input order (no scatter left before ``o_proj``); logits and caches equal eager's, and
+    bit for bit those of the same compile with the scatter left in the graph."""
+    from test_e2e_hf import tiny_causal_lm
+    from torch._dynamo.utils import counters
+
+    import compile_backend.passes.gqa_decode as gqa_pass
+    from compile_backend import quantize_model
+
+    _stand_in_for_cuda_graphs(monkeypatch)
+    model = _act_order_o_proj(quantize_model(tiny_causal_lm(arch="Llama", dtype=torch.float16), "awq-g32"))
+    cfg = model.config
+    want_logits, want_caches = _decode_steps(model, model, cfg)
+    results = {}
+    for fold in (True, False):
+        if not fold:
+            monkeypatch.setattr(gqa_pass, "_fold_output_order", lambda graph, op: False)
+        torch._dynamo.reset()
+        counters.clear()
+        results[fold] = _decode_steps(model, torch.compile(model, backend="quantfuse"), cfg)
+        assert counters["quantfuse"]["gqa_decode_out_order"] == (cfg.num_hidden_layers if fold else 0)
+    got_logits, got_caches = results[True]
+    for got, want in zip([*got_logits, *got_caches], [*want_logits, *want_caches]):
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    for got, unfolded in zip([*got_logits, *got_caches], [*results[False][0], *results[False][1]]):
+        assert torch.equal(got, unfolded)
+
+
+class OrderedAttention(torch.nn.Module):
+    """A one-token attention over repeated keys/values whose result an act-order layer puts in its order
+    (``AWQLinear``'s scatter); ``variant`` changes one thing."""
+
+    def __init__(self, variant="as AWQLinear"):
+        super().__init__()
+        self.variant = variant
+        g = torch.Generator().manual_seed(0)
+        self.register_buffer("k_cache", torch.randn(2, 2, 16, 32, generator=g))
+        self.register_buffer("v_cache", torch.randn(2, 2, 16, 32, generator=g))
+        self.register_buffer("inverse", torch.randperm(4 * 32, generator=g))
+
+    def forward(self, q, mask):
+        keys = self.k_cache[:, :, None, :, :].expand(2, 2, 2, 16, 32).reshape(2, 4, 16, 32)
+        values = self.v_cache[:, :, None, :, :].expand(2, 2, 2, 16, 32).reshape(2, 4, 16, 32)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        if self.variant == "dims before heads":
+            x = out.transpose(1, 3).reshape(2, 1, -1).contiguous()
+        else:
+            x = out.transpose(1, 2).contiguous().reshape(2, 1, -1).contiguous()
+        inverse = self.inverse + 0 if self.variant == "order computed" else self.inverse
+        placed = torch.empty_like(x).index_copy_(-1, inverse, x)
+        if self.variant == "result read elsewhere":
+            return placed, x.sum()
+        return placed
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize(("variant", "folded"), [("as AWQLinear", True), ("dims before heads", False),
+                                                 ("order computed", False), ("result read elsewhere", False)])
+def test_pass_stores_the_order_only_in_that_form(monkeypatch, variant, folded):
+    from torch._dynamo.utils import counters
+
+    _stand_in_for_cuda_graphs(monkeypatch)
+    g = torch.Generator().manual_seed(4)
+    q, mask = torch.randn(2, 4, 1, 32, generator=g), torch.rand(2, 1, 1, 16, generator=g) < 0.8
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad():
+        want = OrderedAttention(variant)(q, mask)
+        got = torch.compile(OrderedAttention(variant), backend="quantfuse")(q, mask)
+    assert counters["quantfuse"]["gqa_decode"] == 1
+    assert counters["quantfuse"]["gqa_decode_out_order"] == int(folded)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 # --------------------------------------------------------------------------- the kernels, interpreted on a CPU
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter runs on a CPU)")
@@ -304,3 +432,25 @@ def test_gpu_in_a_cuda_graph():
         want = rope_reference(*ref_args)
         assert torch.equal(args[3], ref_args[3]) and torch.equal(args[4], ref_args[4]), pos
         torch.testing.assert_close(out, want, rtol=2e-3, atol=2e-3)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_out_order_stores_the_same_values(dtype):
+    """With ``out_order`` the kernels store the values they store without it, each at its place, also
+    replayed in a CUDA graph."""
+    args = make(b=2, hkv=8, n=4, length=300, d=128, pos=40, dtype=dtype, device="cuda")
+    order = out_order(args[0])
+    plain = gqa_decode(args[0], args[3], args[4], args[8], args[9])
+    got = gqa_decode(args[0], args[3], args[4], args[8], args[9], order)
+    assert torch.equal(got.reshape(2, -1)[:, order], plain.reshape(2, -1))
+    clones = [t.clone() if isinstance(t, torch.Tensor) else t for t in args]
+    want = gqa_decode_rope(*clones)
+    gqa_decode_rope(*[t.clone() if isinstance(t, torch.Tensor) else t for t in args], order)  # warm-up
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gqa_decode_rope(*args, order)
+    graph.replay()
+    assert torch.equal(out.reshape(2, -1)[:, order], want.reshape(2, -1))
+    assert torch.equal(args[3], clones[3]) and torch.equal(args[4], clones[4])

@@ -6,6 +6,12 @@ head ``h``, as transformers' ``repeat_kv`` pairs them) and ``attn_mask`` ``[B, 1
 added to the scores when floating, or True where a position is attended when bool. It returns
 ``softmax(q·kᵀ·scale + mask)·v``, ``[B, Hkv*n, 1, D]`` in ``q``'s dtype.
 
+``out_order`` (optional, both ops): an int ``[H*D]`` permutation (``H = Hkv*n``) by which each batch
+row of the result, read as ``H*D`` values (heads, then head dimensions), is stored in another order:
+``result.view(B, H*D)[b, out_order[c]] = attention(b, c)``.  That is an act-order ``o_proj``'s input
+order (``AWQLinear``'s scatter by ``perm_inverse``), which the pass moves into the op: the kernels
+store each value at its place, and the separate scatter kernel before ``o_proj`` is gone.
+
 ``passes/gqa_decode.py`` puts it where a compiled model's one-token attention repeats its keys
 and values (every model on transformers' sdpa attention, with a static cache). On CUDA it is two
 Triton kernels (``gqa_decode_triton.py``) that read each key/value head's cache once for its ``n``
@@ -68,11 +74,31 @@ def _check(q, k, v, attn_mask, scale, op: str = "gqa_decode", kv: tuple[str, str
         fail(f"'scale' must be a finite float, got {scale!r}")
 
 
-def reference(q, k, v, attn_mask, scale):
+def _check_order(q, out_order, op: str) -> None:
+    if out_order is None:
+        return
+    B, H, _, D = q.shape
+    if (out_order.dim() != 1 or out_order.shape[0] != H * D or out_order.dtype not in (torch.int32, torch.int64)
+            or out_order.device != q.device):
+        raise QuantfuseInputError(
+            f"quantfuse.{op}: 'out_order' must be an int32 or int64 permutation of H*D = {H * D} elements on "
+            f"{q.device}, got shape {tuple(out_order.shape)}, {out_order.dtype} on {out_order.device}")
+
+
+def placed(out: torch.Tensor, out_order: torch.Tensor | None) -> torch.Tensor:
+    """``out`` ``[B, H, 1, D]`` with each batch row's ``H*D`` values stored at ``out_order`` (module doc)."""
+    if out_order is None:
+        return out
+    flat = out.reshape(out.shape[0], -1)
+    return torch.empty_like(flat).index_copy_(1, out_order.long(), flat).view(out.shape)
+
+
+def reference(q, k, v, attn_mask, scale, out_order=None):
     """``scaled_dot_product_attention`` with the key/value heads as the batch and their query
-    heads as the heads, keys and values expanded along those heads (stride 0)."""
+    heads as the heads, keys and values expanded along those heads (stride 0); then ``placed``."""
     _check(q, k, v, attn_mask, scale)
-    return _on_kv_heads(q, k, v, attn_mask, scale)
+    _check_order(q, out_order, "gqa_decode")
+    return placed(_on_kv_heads(q, k, v, attn_mask, scale), out_order)
 
 
 def _on_kv_heads(q, k, v, attn_mask, scale):
@@ -92,8 +118,10 @@ def _on_kv_heads(q, k, v, attn_mask, scale):
     return out.unflatten(0, (B, hkv)).flatten(1, 2)
 
 
-def kernel_refusal(q, k, v, attn_mask) -> str | None:
+def kernel_refusal(q, k, v, attn_mask, out_order=None) -> str | None:
     """Why the Triton kernels cannot take these (valid) arguments, or None."""
+    if out_order is not None and out_order.stride(0) != 1:
+        return "an 'out_order' that is not contiguous"
     if q.dtype not in DTYPES:
         return f"dtype {q.dtype} (the kernels take {', '.join(map(str, DTYPES))})"
     if q.shape[3] not in HEAD_DIMS:
@@ -113,23 +141,24 @@ def kernel_refusal(q, k, v, attn_mask) -> str | None:
     return None
 
 
-def _cuda(q, k, v, attn_mask, scale):
+def _cuda(q, k, v, attn_mask, scale, out_order=None):
     _check(q, k, v, attn_mask, scale)
-    reason = kernel_refusal(q, k, v, attn_mask)
+    _check_order(q, out_order, "gqa_decode")
+    reason = kernel_refusal(q, k, v, attn_mask, out_order)
     if reason is not None:
         log.debug("quantfuse.gqa_decode: reference runs: %s", reason)
-        return _on_kv_heads(q, k, v, attn_mask, scale)
+        return placed(_on_kv_heads(q, k, v, attn_mask, scale), out_order)
     from .gqa_decode_triton import gqa_decode_triton
 
     with torch.cuda.device(q.device):
-        return gqa_decode_triton(q, k, v, attn_mask, scale)
+        return gqa_decode_triton(q, k, v, attn_mask, scale, out_order=out_order)
 
 
-def _fake(q, k, v, attn_mask, scale):
+def _fake(q, k, v, attn_mask, scale, out_order=None):
     return q.new_empty(q.shape)
 
 
-SCHEMA = "gqa_decode(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, float scale) -> Tensor"
+SCHEMA = "gqa_decode(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, float scale, Tensor? out_order=None) -> Tensor"
 
 # No kernels' library behind it: its CUDA implementation is the Triton kernels, registered here.
 gqa_decode = define_op(SCHEMA, reference, _fake, kernel_dispatch=False, strides="any")
@@ -191,26 +220,30 @@ def _check_rope(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale)
                  f"{t.dtype} on {t.device}")
 
 
-def rope_reference(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale):
+def rope_reference(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale, out_order=None):
     """What the op does, in torch ops: ``rope``, the cache writes (``index_copy_``), ``gqa_decode``'s
     reference."""
     _check_rope(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale)
+    _check_order(q, out_order, "gqa_decode_rope")
     index = position.reshape(1).long()
     k_cache.index_copy_(2, index, rope(k, cos, sin))
     v_cache.index_copy_(2, index, v)
-    return _on_kv_heads(rope(q, cos, sin), k_cache, v_cache, attn_mask, scale)
+    return placed(_on_kv_heads(rope(q, cos, sin), k_cache, v_cache, attn_mask, scale), out_order)
 
 
-def _rope_cuda(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale):
+def _rope_cuda(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale, out_order=None):
     _check_rope(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale)
-    reason = kernel_refusal(q, k_cache, v_cache, attn_mask) or rope_kernel_refusal(k, v, k_cache, v_cache, cos, sin)
+    _check_order(q, out_order, "gqa_decode_rope")
+    reason = (kernel_refusal(q, k_cache, v_cache, attn_mask, out_order)
+              or rope_kernel_refusal(k, v, k_cache, v_cache, cos, sin))
     if reason is not None:
         log.debug("quantfuse.gqa_decode_rope: reference runs: %s", reason)
-        return rope_reference(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale)
+        return rope_reference(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale, out_order)
     from .gqa_decode_triton import gqa_decode_triton
 
     with torch.cuda.device(q.device):
-        return gqa_decode_triton(q, k_cache, v_cache, attn_mask, scale, rope=(k, v, position, cos, sin))
+        return gqa_decode_triton(q, k_cache, v_cache, attn_mask, scale, rope=(k, v, position, cos, sin),
+                                 out_order=out_order)
 
 
 def rope_kernel_refusal(k, v, k_cache, v_cache, cos, sin) -> str | None:
@@ -222,12 +255,13 @@ def rope_kernel_refusal(k, v, k_cache, v_cache, cos, sin) -> str | None:
     return None
 
 
-def _rope_fake(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale):
+def _rope_fake(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale, out_order=None):
     return q.new_empty(q.shape)
 
 
 ROPE_SCHEMA = ("gqa_decode_rope(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-               "Tensor position, Tensor cos, Tensor sin, Tensor? attn_mask, float scale) -> Tensor")
+               "Tensor position, Tensor cos, Tensor sin, Tensor? attn_mask, float scale, Tensor? out_order=None) "
+               "-> Tensor")
 
 gqa_decode_rope = define_op(ROPE_SCHEMA, rope_reference, _rope_fake, kernel_dispatch=False, strides="any")
 lib.impl("gqa_decode_rope", _rope_cuda, "CUDA")

@@ -103,8 +103,8 @@ def _gqa_decode_split(q_ptr, k_ptr, v_ptr, m_ptr, part_o, part_ml, L, chunk, qk_
 
 
 @triton.jit
-def _gqa_decode_combine(part_o, part_ml, out_ptr, so_b, so_h, HKV, S,
-                        N: tl.constexpr, NP: tl.constexpr, D: tl.constexpr, SP: tl.constexpr):
+def _gqa_decode_combine(part_o, part_ml, out_ptr, so_b, so_h, HKV, S, order_ptr,
+                        N: tl.constexpr, NP: tl.constexpr, D: tl.constexpr, SP: tl.constexpr, ORDER: tl.constexpr):
     bh = tl.program_id(0)
     j = tl.program_id(1)
     b = bh // HKV
@@ -119,15 +119,22 @@ def _gqa_decode_combine(part_o, part_ml, out_ptr, so_b, so_h, HKV, S,
     w = tl.exp2(m - m_max)
     o = tl.load(part_o + row[:, None] * D + rd[None, :], mask=(rs < S)[:, None], other=0.0)
     out = tl.sum(o * w[:, None], 0) / tl.sum(sums * w, 0)
-    tl.store(out_ptr + b * so_b + (h * N + j) * so_h + rd, out.to(out_ptr.dtype.element_ty))
+    if ORDER:
+        # Each value at its place in the row (out contiguous, so_b = H*D); an index outside the row is
+        # not stored (out_order is a permutation: every place is written once).
+        dest = tl.load(order_ptr + (h * N + j) * D + rd).to(tl.int64)
+        tl.store(out_ptr + b * so_b + dest, out.to(out_ptr.dtype.element_ty), mask=(dest >= 0) & (dest < so_b))
+    else:
+        tl.store(out_ptr + b * so_b + (h * N + j) * so_h + rd, out.to(out_ptr.dtype.element_ty))
 
 
 def gqa_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                      scale: float, rope: tuple | None = None) -> torch.Tensor:
+                      scale: float, rope: tuple | None = None, out_order: torch.Tensor | None = None) -> torch.Tensor:
     """``q`` [B, Hkv*n, 1, D], ``k``/``v`` [B, Hkv, L, D] (last dim contiguous), ``mask``
     [B, 1 or Hkv*n, 1, L] (float, added to the scores, or bool, True = attend) or None.  ``rope``:
     ``(k_new, v_new, position, cos, sin)`` of ``quantfuse::gqa_decode_rope`` (``q`` then un-rotated,
-    ``k``/``v`` the caches, written at ``position``)."""
+    ``k``/``v`` the caches, written at ``position``).  ``out_order``: contiguous [H*D], where each batch
+    row's values are stored (ops/gqa_decode.py)."""
     B, H, _, D = q.shape
     Hkv, L = k.shape[1], k.shape[2]
     n = H // Hkv
@@ -158,5 +165,7 @@ def gqa_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
         N=n, NP=NP, D=D, BL=BLOCK_L, S=S, HAS_MASK=mask is not None,
         MASK_BOOL=mask is not None and mask.dtype == torch.bool, ROPE=rope is not None, num_warps=4, num_stages=2)
     _gqa_decode_combine[(B * Hkv, n)](part_o, part_ml, out, out.stride(0), out.stride(1), Hkv, S,
-                                      N=n, NP=NP, D=D, SP=triton.next_power_of_2(S), num_warps=4)
+                                      part_ml if out_order is None else out_order,  # unread without an order
+                                      N=n, NP=NP, D=D, SP=triton.next_power_of_2(S), ORDER=out_order is not None,
+                                      num_warps=4)
     return out
