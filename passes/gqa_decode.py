@@ -50,7 +50,11 @@ becomes ``quantfuse::gqa_decode_rope(q, k, v, k_cache, v_cache, position, cos, s
 launch-bound kernels per layer).  Only where each cache is read by nothing but its one write and the
 attention, the rotated query and key by nothing but the attention and the write, ``cos``/``sin``
 are ``[B or 1, 1, 1, D]`` and ``position`` one integer; else the attention alone becomes the op.
-``counters["quantfuse"]["gqa_decode_rope"]`` counts these.
+``counters["quantfuse"]["gqa_decode_rope"]`` counts these.  Where the position is the static cache's own
+per-layer ``torch.arange(1) + counter`` followed by ``counter.add_(1)`` (transformers 5), the op is handed
+the counter as its position with ``advance=1`` and both nodes go (each was a launch per layer); only where
+the counter is a graph input that nothing reads after its increment
+(``counters["quantfuse"]["gqa_decode_rope_counter"]``).
 
 Where the op's result goes, through views only, to an act-order layer that puts its input in its order
 (``AWQLinear``'s ``torch.empty_like(x).index_copy_(-1, perm_inverse, x)`` before ``o_proj``), the op
@@ -201,6 +205,37 @@ def _cache_write(cache: Node) -> tuple[Node, Node, Node] | None:
     return write, position, value
 
 
+def _counter_of(graph, position: Node, writes: set[Node]) -> tuple[Node, Node, Node] | None:
+    """``(counter, arange, increment)`` where ``position`` is transformers' per-layer static-cache position
+    ``torch.arange(1) + counter`` read by ``writes`` alone, followed by ``counter.add_(1)``, a graph input
+    that nothing reads after that increment (every other read comes before it)."""
+    if not (_call(position, operator.add, torch.add) and len(position.args) == 2 and not position.kwargs
+            and set(position.users) == writes):
+        return None
+
+    def arange_one(n) -> bool:
+        v = n.meta.get("example_value") if isinstance(n, Node) else None
+        return (_call(n, torch.arange) and n.args in ((1,), (0, 1)) and set(n.users) == {position}
+                and isinstance(v, torch.Tensor) and v.shape == (1,))
+
+    a, b = position.args
+    arange, counter = (a, b) if arange_one(a) else (b, a) if arange_one(b) else (None, None)
+    cv = counter.meta.get("example_value") if isinstance(counter, Node) else None
+    if not (isinstance(counter, Node) and counter.op == "placeholder" and isinstance(cv, torch.Tensor)
+            and cv.numel() == 1 and cv.dtype in (torch.int32, torch.int64)):
+        return None
+    increments = [u for u in counter.users if u.op == "call_method" and u.target == "add_"]
+    if len(increments) != 1:
+        return None
+    increment = increments[0]
+    if increment.users or increment.kwargs or increment.args != (counter, 1):
+        return None
+    where = {n: i for i, n in enumerate(graph.nodes)}
+    if any(where[u] > where[increment] for u in counter.users if u is not increment):
+        return None
+    return counter, arange, increment
+
+
 def _fuse_rope(graph, sdpa: Node, q: Node, k_cache: Node, v_cache: Node, mask, scale: float) -> bool:
     """The attention, the rotary embedding of ``q`` and of the key written to ``k_cache``, and both
     caches' writes as one ``quantfuse::gqa_decode_rope`` (the module doc); False where the graph is
@@ -230,12 +265,21 @@ def _fuse_rope(graph, sdpa: Node, q: Node, k_cache: Node, v_cache: Node, mask, s
             and len({t.device for t in values}) == 1 and len({t.dtype for t in values[:4]}) == 1
             and values[5].dtype.is_floating_point and values[6].dtype.is_floating_point):
         return False
+    counter = _counter_of(graph, position, {kw[0], vw[0]})
     with graph.inserting_before(sdpa):
-        out = graph.call_function(torch.ops.quantfuse.gqa_decode_rope.default,
-                                  (q_raw, k_raw, v_new, k_cache, v_cache, position, cos, sin, mask, scale))
+        out = graph.call_function(
+            torch.ops.quantfuse.gqa_decode_rope.default,
+            (q_raw, k_raw, v_new, k_cache, v_cache, position if counter is None else counter[0], cos, sin, mask, scale),
+            {} if counter is None else {"advance": 1})  # the op reads the counter as the position and advances it
     _replace(graph, sdpa, out, *sdpa.args[1:3])
     for write in (kw[0], vw[0]):
         graph.erase_node(write)
+    if counter is not None:
+        from torch._dynamo.utils import counters
+
+        for node in (counter[2], position, counter[1]):  # the increment, the position's sum, its arange
+            graph.erase_node(node)
+        counters["quantfuse"]["gqa_decode_rope_counter"] += 1
     for rotated in (q, kw[2]):  # the rotary's nodes, now unused
         _erase_unused(graph, rotated)
     return True
@@ -398,7 +442,7 @@ def _fold_output_order(graph, op: Node) -> bool:
     if found is None:
         return False
     x, empty, scatter, order = found
-    op.args = (*op.args, order)
+    op.kwargs = {**op.kwargs, "out_order": order}
     scatter.replace_all_uses_with(x)
     graph.erase_node(scatter)
     graph.erase_node(empty)

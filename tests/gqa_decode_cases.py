@@ -79,13 +79,19 @@ def interpret() -> None:
                     (kernels.gqa_decode_triton(q, args[3].clone(), args[4].clone(), mask, scale,
                                                rope=(k, v, position, cos, sin), out_order=order), placed(got, order))):
                 assert torch.equal(stored, expected), (case, pos, "out_order")
+            # The position advanced after the op has read it: the same output, the same caches.
+            counter, k_again, v_again = position.clone(), args[3].clone(), args[4].clone()
+            again = kernels.gqa_decode_triton(q, k_again, v_again, mask, scale, rope=(k, v, counter, cos, sin),
+                                              advance=1)
+            assert torch.equal(again, got) and torch.equal(k_again, args[3]) and torch.equal(v_again, args[4])
+            assert counter.item() == pos + 1, (case, pos, "advance", counter.item())
     print("ok")
 
 
 def compile_for_hopper() -> None:
     """Both Triton kernels compiled for sm_90 (PTX and cubin, by Triton's own ptxas) in every
     specialization the launcher asks for: float16 and bfloat16, with and without the rotary, each kind
-    of mask, with and without an output order.  Needs no GPU; prints ok."""
+    of mask, with and without an output order, advancing the position or not.  Needs no GPU; prints ok."""
     import itertools
 
     import triton
@@ -109,8 +115,9 @@ def compile_for_hopper() -> None:
               dict(q_ptr=act, k_ptr=act, v_ptr=act, m_ptr=mask, part_o="*fp32", part_ml="*fp32", qk_scale="fp32",
                    kn_ptr=act, vn_ptr=act, pos_ptr="*i64", cos_ptr=act, sin_ptr=act),
               dict(N=4, NP=16, D=128, BL=kernels.BLOCK_L, HAS_MASK=has_mask, MASK_BOOL=mask_bool, ROPE=rope))
-    for dtype, order in itertools.product(("fp16", "bf16"), (False, True)):
+    for dtype, order, advance in itertools.product(("fp16", "bf16"), (False, True), (0, 1)):
         build(kernels._gqa_decode_combine,
-              dict(part_o="*fp32", part_ml="*fp32", out_ptr=f"*{dtype}", order_ptr="*i64" if order else "*fp32"),
-              dict(N=4, NP=16, D=128, SP=16, ORDER=order))
+              dict(part_o="*fp32", part_ml="*fp32", out_ptr=f"*{dtype}", order_ptr="*i64" if order else "*fp32",
+                   pos_ptr="*i64" if advance else "*fp32"),
+              dict(N=4, NP=16, D=128, SP=16, ORDER=order, ADVANCE=advance))
     print("ok")

@@ -114,7 +114,7 @@ def _stand_in_for_cuda_graphs(monkeypatch):
 
 def _decode_steps(model, forward, cfg):
     """Prefill 5 tokens eagerly into a fresh static cache, then two decode steps by ``forward``:
-    their logits and the caches after them."""
+    their logits and the caches (and each layer's position counter, where the cache keeps one) after them."""
     import transformers
 
     cache = transformers.StaticCache(config=cfg, max_cache_len=16)
@@ -123,7 +123,9 @@ def _decode_steps(model, forward, cfg):
         model(ids, past_key_values=cache, cache_position=torch.arange(5), use_cache=True)
         logits = [forward(torch.tensor([[7], [3]]), past_key_values=cache, cache_position=torch.tensor([5])).logits,
                   forward(torch.tensor([[9], [1]]), past_key_values=cache, cache_position=torch.tensor([6])).logits]
-    return logits, [t.clone() for layer in cache.layers for t in (layer.keys, layer.values)]
+    counted = [layer.cumulative_length.clone() for layer in cache.layers
+               if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor)]
+    return logits, [t.clone() for layer in cache.layers for t in (layer.keys, layer.values)] + counted
 
 
 # Which decoders' attention is transformers' apply_rotary_pos_emb on the whole head (fused) and which
@@ -149,6 +151,10 @@ def test_pass_fuses_transformers_decode_step(monkeypatch, arch):
     layers = cfg.num_hidden_layers
     assert counters["quantfuse"]["gqa_decode"] == layers
     assert counters["quantfuse"]["gqa_decode_rope"] == (layers if ARCHS[arch] else 0), dict(counters["quantfuse"])
+    # transformers' per-layer position counter (transformers 5's static cache): read and advanced by the op
+    # (its caches' writes land at the next step's position only if it advanced)
+    keeps_counters = len(want_caches) == 3 * layers
+    assert counters["quantfuse"]["gqa_decode_rope_counter"] == (layers if ARCHS[arch] and keeps_counters else 0)
     for got, want in zip(got_logits, want_logits):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     for got, want in zip(got_caches, want_caches):
@@ -199,10 +205,15 @@ class CachedAttention(torch.nn.Module):
         g = torch.Generator().manual_seed(0)
         self.register_buffer("k_cache", torch.randn(2, 2, 16, 32, generator=g))
         self.register_buffer("v_cache", torch.randn(2, 2, 16, 32, generator=g))
+        self.register_buffer("counter", torch.tensor(9))
 
     def forward(self, q, k, v, cos, sin, position, mask):
         def rope(x, c, s):
             return x * c + _rotate_half(x) * s
+
+        if self.variant.startswith("counter"):  # transformers' StaticLayer: its own position counter
+            position = torch.arange(1) + self.counter
+            self.counter.add_(1)
 
         q = rope(q, cos, sin)
         if self.variant == "rotation reversed":
@@ -219,15 +230,19 @@ class CachedAttention(torch.nn.Module):
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         if self.variant == "cache read elsewhere":
             return out, self.k_cache.sum()
+        if self.variant == "counter read after":
+            return out, self.counter * 2
         return out
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize(("variant", "fused"), [("as transformers", True), ("rotation reversed", False),
-                                                ("k's own cos", False), ("cache read elsewhere", False)])
-def test_pass_fuses_only_that_form(monkeypatch, variant, fused):
+@pytest.mark.parametrize(("variant", "fused", "counted"), [
+    ("as transformers", True, False), ("rotation reversed", False, False), ("k's own cos", False, False),
+    ("cache read elsewhere", False, False), ("counter", True, True), ("counter read after", True, False)])
+def test_pass_fuses_only_that_form(monkeypatch, variant, fused, counted):
     """Only the form above is fused; anything else keeps the rotary and the writes, the attention
-    alone becomes the op; every result and cache equals eager's."""
+    alone becomes the op; a position counter goes into the op only where nothing reads it after its
+    increment; every result, cache and counter equals eager's."""
     from torch._dynamo.utils import counters
 
     _stand_in_for_cuda_graphs(monkeypatch)
@@ -245,7 +260,9 @@ def test_pass_fuses_only_that_form(monkeypatch, variant, fused):
         got = torch.compile(compiled, backend="quantfuse")(*args)
     assert counters["quantfuse"]["gqa_decode"] == 1
     assert counters["quantfuse"]["gqa_decode_rope"] == int(fused)
+    assert counters["quantfuse"]["gqa_decode_rope_counter"] == int(counted)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert compiled.counter.item() == eager.counter.item()
     torch.testing.assert_close(compiled.k_cache, eager.k_cache, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(compiled.v_cache, eager.v_cache, rtol=0, atol=0)
 
@@ -280,9 +297,22 @@ def test_bad_out_order_is_named(order):
         gqa_decode(args[0], args[3], args[4], args[8], args[9], order)
 
 
-def test_opcheck_with_out_order():
+def test_advance_moves_the_position_after_reading_it():
+    """``advance``: the op writes and attends at ``position`` as without it, then adds ``advance`` to it."""
+    args = make(pos=11)
+    clones = [t.clone() if isinstance(t, torch.Tensor) else t for t in args]
+    want = gqa_decode_rope(*clones)
+    got = gqa_decode_rope(*args, advance=1)
+    assert torch.equal(got, want) and torch.equal(args[3], clones[3]) and torch.equal(args[4], clones[4])
+    assert args[5].tolist() == [12] and clones[5].tolist() == [11]
+    with pytest.raises(QuantfuseInputError, match="'advance' must be a non-negative int, got -1"):
+        gqa_decode_rope(*args, advance=-1)
+
+
+def test_opcheck_with_out_order_and_advance():
     args = make()
     torch.library.opcheck(gqa_decode_rope, (*args, out_order(args[0])), test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(gqa_decode_rope, make(), {"advance": 1}, test_utils=("test_schema", "test_faketensor"))
     torch.library.opcheck(gqa_decode, (args[0], args[3], args[4], args[8], args[9], out_order(args[0])),
                           test_utils=("test_schema", "test_faketensor"))
 
@@ -454,3 +484,22 @@ def test_gpu_out_order_stores_the_same_values(dtype):
     graph.replay()
     assert torch.equal(out.reshape(2, -1)[:, order], want.reshape(2, -1))
     assert torch.equal(args[3], clones[3]) and torch.equal(args[4], clones[4])
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_advance_in_a_cuda_graph():
+    """Captured once with ``advance=1``: each replay writes and attends at the counter's position and then
+    advances it, as the reference does step by step."""
+    args = list(make(b=1, hkv=8, n=4, length=256, d=128, pos=10, dtype=torch.float16, device="cuda"))
+    ref_args = [t.clone() if isinstance(t, torch.Tensor) else t for t in args]
+    gqa_decode_rope(*[t.clone() if isinstance(t, torch.Tensor) else t for t in args], advance=1)  # warm-up
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gqa_decode_rope(*args, advance=1)
+    for pos in (10, 11, 12):
+        graph.replay()
+        want = rope_reference(*ref_args, advance=1)
+        assert args[5].item() == ref_args[5].item() == pos + 1
+        assert torch.equal(args[3], ref_args[3]) and torch.equal(args[4], ref_args[4]), pos
+        torch.testing.assert_close(out, want, rtol=2e-3, atol=2e-3)

@@ -183,6 +183,12 @@ lib.impl("gqa_decode", _cuda, "CUDA")
 # kernels does all of it: the split kernel rotates the query and the new key as it loads them, uses the new
 # key and value at ``position`` in place of the cache's, and the program whose slice holds ``position``
 # writes them into the caches; no launch of its own for the rotary or the writes.
+#
+# ``advance``: added to ``position`` in place once the op has read it (0: ``position`` is only read).
+# transformers' static cache keeps a counter per layer and writes at ``arange(1) + counter`` before
+# ``counter.add_(1)``; the pass hands the op the counter itself with ``advance=1``, so that neither the
+# position's sum nor the counter's increment is a launch of its own (the combine kernel, which runs
+# after every program of the split kernel has read the position, advances it).
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -196,7 +202,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return (xf * cos.float() + rotate_half(xf) * sin.float()).to(x.dtype)
 
 
-def _check_rope(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale) -> None:
+def _check_rope(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale, advance=0) -> None:
     def fail(what):
         raise QuantfuseInputError(f"quantfuse.gqa_decode_rope: {what}")
 
@@ -213,6 +219,8 @@ def _check_rope(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale)
     if position.numel() != 1 or position.dtype not in (torch.int32, torch.int64) or position.device != q.device:
         fail(f"'position' must be one int32 or int64 element on {q.device}, got shape {tuple(position.shape)}, "
              f"{position.dtype} on {position.device}")
+    if not isinstance(advance, int) or advance < 0:
+        fail(f"'advance' must be a non-negative int, got {advance!r}")
     for name, t in (("cos", cos), ("sin", sin)):
         if (t.dim() != 4 or t.shape[0] not in (1, B) or tuple(t.shape[1:]) != (1, 1, D)
                 or not t.dtype.is_floating_point or t.device != q.device):
@@ -220,30 +228,33 @@ def _check_rope(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale)
                  f"{t.dtype} on {t.device}")
 
 
-def rope_reference(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale, out_order=None):
+def rope_reference(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale, out_order=None, advance=0):
     """What the op does, in torch ops: ``rope``, the cache writes (``index_copy_``), ``gqa_decode``'s
-    reference."""
-    _check_rope(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale)
+    reference, then ``position += advance``."""
+    _check_rope(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale, advance)
     _check_order(q, out_order, "gqa_decode_rope")
-    index = position.reshape(1).long()
+    index = position.reshape(1).long().clone()
     k_cache.index_copy_(2, index, rope(k, cos, sin))
     v_cache.index_copy_(2, index, v)
-    return placed(_on_kv_heads(rope(q, cos, sin), k_cache, v_cache, attn_mask, scale), out_order)
+    out = placed(_on_kv_heads(rope(q, cos, sin), k_cache, v_cache, attn_mask, scale), out_order)
+    if advance:
+        position.add_(advance)
+    return out
 
 
-def _rope_cuda(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale, out_order=None):
-    _check_rope(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale)
+def _rope_cuda(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale, out_order=None, advance=0):
+    _check_rope(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale, advance)
     _check_order(q, out_order, "gqa_decode_rope")
     reason = (kernel_refusal(q, k_cache, v_cache, attn_mask, out_order)
               or rope_kernel_refusal(k, v, k_cache, v_cache, cos, sin))
     if reason is not None:
         log.debug("quantfuse.gqa_decode_rope: reference runs: %s", reason)
-        return rope_reference(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale, out_order)
+        return rope_reference(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale, out_order, advance)
     from .gqa_decode_triton import gqa_decode_triton
 
     with torch.cuda.device(q.device):
         return gqa_decode_triton(q, k_cache, v_cache, attn_mask, scale, rope=(k, v, position, cos, sin),
-                                 out_order=out_order)
+                                 out_order=out_order, advance=advance)
 
 
 def rope_kernel_refusal(k, v, k_cache, v_cache, cos, sin) -> str | None:
@@ -255,13 +266,13 @@ def rope_kernel_refusal(k, v, k_cache, v_cache, cos, sin) -> str | None:
     return None
 
 
-def _rope_fake(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale, out_order=None):
+def _rope_fake(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale, out_order=None, advance=0):
     return q.new_empty(q.shape)
 
 
 ROPE_SCHEMA = ("gqa_decode_rope(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-               "Tensor position, Tensor cos, Tensor sin, Tensor? attn_mask, float scale, Tensor? out_order=None) "
-               "-> Tensor")
+               "Tensor(c!) position, Tensor cos, Tensor sin, Tensor? attn_mask, float scale, "
+               "Tensor? out_order=None, int advance=0) -> Tensor")
 
 gqa_decode_rope = define_op(ROPE_SCHEMA, rope_reference, _rope_fake, kernel_dispatch=False, strides="any")
 lib.impl("gqa_decode_rope", _rope_cuda, "CUDA")

@@ -103,10 +103,15 @@ def _gqa_decode_split(q_ptr, k_ptr, v_ptr, m_ptr, part_o, part_ml, L, chunk, qk_
 
 
 @triton.jit
-def _gqa_decode_combine(part_o, part_ml, out_ptr, so_b, so_h, HKV, S, order_ptr,
-                        N: tl.constexpr, NP: tl.constexpr, D: tl.constexpr, SP: tl.constexpr, ORDER: tl.constexpr):
+def _gqa_decode_combine(part_o, part_ml, out_ptr, so_b, so_h, HKV, S, order_ptr, pos_ptr,
+                        N: tl.constexpr, NP: tl.constexpr, D: tl.constexpr, SP: tl.constexpr, ORDER: tl.constexpr,
+                        ADVANCE: tl.constexpr):
     bh = tl.program_id(0)
     j = tl.program_id(1)
+    if ADVANCE != 0:
+        # Every program of the split kernel has read the position (it ran before this kernel).
+        if (bh == 0) & (j == 0):
+            tl.store(pos_ptr, tl.load(pos_ptr) + ADVANCE)
     b = bh // HKV
     h = bh % HKV
     rs = tl.arange(0, SP)
@@ -129,12 +134,13 @@ def _gqa_decode_combine(part_o, part_ml, out_ptr, so_b, so_h, HKV, S, order_ptr,
 
 
 def gqa_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                      scale: float, rope: tuple | None = None, out_order: torch.Tensor | None = None) -> torch.Tensor:
+                      scale: float, rope: tuple | None = None, out_order: torch.Tensor | None = None,
+                      advance: int = 0) -> torch.Tensor:
     """``q`` [B, Hkv*n, 1, D], ``k``/``v`` [B, Hkv, L, D] (last dim contiguous), ``mask``
     [B, 1 or Hkv*n, 1, L] (float, added to the scores, or bool, True = attend) or None.  ``rope``:
     ``(k_new, v_new, position, cos, sin)`` of ``quantfuse::gqa_decode_rope`` (``q`` then un-rotated,
     ``k``/``v`` the caches, written at ``position``).  ``out_order``: contiguous [H*D], where each batch
-    row's values are stored (ops/gqa_decode.py)."""
+    row's values are stored (ops/gqa_decode.py).  ``advance``: added to ``rope``'s ``position`` afterwards."""
     B, H, _, D = q.shape
     Hkv, L = k.shape[1], k.shape[2]
     n = H // Hkv
@@ -166,6 +172,7 @@ def gqa_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
         MASK_BOOL=mask is not None and mask.dtype == torch.bool, ROPE=rope is not None, num_warps=4, num_stages=2)
     _gqa_decode_combine[(B * Hkv, n)](part_o, part_ml, out, out.stride(0), out.stride(1), Hkv, S,
                                       part_ml if out_order is None else out_order,  # unread without an order
+                                      part_ml if not advance else rope[2],  # unread without an advance
                                       N=n, NP=NP, D=D, SP=triton.next_power_of_2(S), ORDER=out_order is not None,
-                                      num_warps=4)
+                                      ADVANCE=advance, num_warps=4)
     return out
