@@ -196,15 +196,22 @@ def _rotate_half(x):
     return torch.cat((-x[..., x.shape[-1] // 2:], x[..., :x.shape[-1] // 2]), dim=-1)
 
 
-class CachedAttention(torch.nn.Module):
-    """transformers' decode attention, written out (``variant`` changes one thing)."""
+class _Cached(torch.nn.Module):
+    """A variant (``variant`` changes one thing) and seeded key/value caches [2, 2, 16, 32]."""
 
-    def __init__(self, variant="as transformers"):
+    def __init__(self, variant: str):
         super().__init__()
         self.variant = variant
-        g = torch.Generator().manual_seed(0)
-        self.register_buffer("k_cache", torch.randn(2, 2, 16, 32, generator=g))
-        self.register_buffer("v_cache", torch.randn(2, 2, 16, 32, generator=g))
+        self.gen = torch.Generator().manual_seed(0)
+        self.register_buffer("k_cache", torch.randn(2, 2, 16, 32, generator=self.gen))
+        self.register_buffer("v_cache", torch.randn(2, 2, 16, 32, generator=self.gen))
+
+
+class CachedAttention(_Cached):
+    """transformers' decode attention, written out."""
+
+    def __init__(self, variant="as transformers"):
+        super().__init__(variant)
         self.register_buffer("counter", torch.tensor(9))
 
     def forward(self, q, k, v, cos, sin, position, mask):
@@ -361,17 +368,13 @@ def test_pass_stores_o_projs_input_order(monkeypatch):
         assert torch.equal(got, unfolded)
 
 
-class OrderedAttention(torch.nn.Module):
+class OrderedAttention(_Cached):
     """A one-token attention over repeated keys/values whose result an act-order layer puts in its order
-    (``AWQLinear``'s scatter); ``variant`` changes one thing."""
+    (``AWQLinear``'s scatter)."""
 
     def __init__(self, variant="as AWQLinear"):
-        super().__init__()
-        self.variant = variant
-        g = torch.Generator().manual_seed(0)
-        self.register_buffer("k_cache", torch.randn(2, 2, 16, 32, generator=g))
-        self.register_buffer("v_cache", torch.randn(2, 2, 16, 32, generator=g))
-        self.register_buffer("inverse", torch.randperm(4 * 32, generator=g))
+        super().__init__(variant)
+        self.register_buffer("inverse", torch.randperm(4 * 32, generator=self.gen))
 
     def forward(self, q, mask):
         keys = self.k_cache[:, :, None, :, :].expand(2, 2, 2, 16, 32).reshape(2, 4, 16, 32)
