@@ -284,7 +284,7 @@ def test_gptq_fused_generate(tmp_path, device, request):
     ((tokens, logits),) = compiled_generate(model, ids, config, LINEARS, "GPTQ act-order", check=merged_awq)
     assert_tokens_match(tokens, logits, ref_tokens, ref_logits, what="GPTQ act-order")
     if device == "cuda":
-        assert counters["quantfuse"]["gqa_decode_out_order"] >= 1, dict(counters["quantfuse"])  # compiled_generate's
+        assert counters["quantfuse"]["gqa_decode_out_order"] >= 1, dict(counters["quantfuse"])  # of its compile
 
 
 # --------------------------------------------------------------------------- 8-bit per-channel: W8A16Linear
