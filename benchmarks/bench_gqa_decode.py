@@ -10,6 +10,10 @@ float mask (0 where attended, the dtype's minimum elsewhere). Also checks each r
 float64 reference.
 
     python benchmarks/bench_gqa_decode.py [--lengths 679,2048,4096] [--batch 1,8] [--out DIR]
+
+``--sweep``: instead, the split kernel's launch (``gqa_decode_triton.Launch``: programs per SM, cache
+positions per step, warps, pipeline stages) varied around the one the op uses, each timed the same way
+and checked against the op's result; prints the best per batch and length (results_gqa_decode_sweep.json).
 """
 
 from __future__ import annotations
@@ -61,7 +65,10 @@ def main():
     ap.add_argument("--lengths", default="679,2048,4096", help="cache lengths (positions attended: 3/4 of each)")
     ap.add_argument("--batch", default="1,8")
     ap.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
+    ap.add_argument("--sweep", action="store_true", help="time the split kernel's launch variants (module doc)")
     args = ap.parse_args()
+    if args.sweep:
+        return sweep(args)
     dev, dtype, hkv, n, d = "cuda", torch.float16, 8, 4, 128
     scale = d ** -0.5
     rows = []
@@ -70,14 +77,8 @@ def main():
     print("|---|---|---|---|---|---|---|")
     for b in (int(x) for x in args.batch.split(",")):
         for length in (int(x) for x in args.lengths.split(",")):
-            g = torch.Generator(device=dev).manual_seed(length + b)
-            mask = torch.zeros(b, 1, 1, length, device=dev, dtype=dtype)
-            mask[..., length * 3 // 4:] = torch.finfo(dtype).min
-            layers = [(torch.randn(b, hkv * n, 1, d, device=dev, dtype=dtype, generator=g),
-                       torch.randn(b, hkv, length, d, device=dev, dtype=dtype, generator=g),
-                       torch.randn(b, hkv, length, d, device=dev, dtype=dtype, generator=g), mask, scale)
-                      for _ in range(LAYERS)]
-            q, k, v, _, _ = layers[0]
+            layers = make_layers(b, length, dev, dtype, hkv, n, d)
+            q, k, v, mask, _ = layers[0]
             want = repeated(q.double(), k.double(), v.double(), mask.double(), scale)
             err = ((gqa_decode(*layers[0]).double() - want).norm() / want.norm()).item()
             row = dict(batch=b, length=length, ours_us=graph_us(gqa_decode, layers),
@@ -87,6 +88,46 @@ def main():
                   f"| {row['sdpa_kv_heads_us'] / row['ours_us']:.2f}× | {err:.1e} |", flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "results_gqa_decode.json"), "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
+
+
+def make_layers(b: int, length: int, dev="cuda", dtype=torch.float16, hkv=8, n=4, d=128):
+    """LAYERS argument tuples (q, k, v, mask, scale) of Llama-3-8B heads; 3/4 of the cache attended."""
+    g = torch.Generator(device=dev).manual_seed(length + b)
+    mask = torch.zeros(b, 1, 1, length, device=dev, dtype=dtype)
+    mask[..., length * 3 // 4:] = torch.finfo(dtype).min
+    return [(torch.randn(b, hkv * n, 1, d, device=dev, dtype=dtype, generator=g),
+             torch.randn(b, hkv, length, d, device=dev, dtype=dtype, generator=g),
+             torch.randn(b, hkv, length, d, device=dev, dtype=dtype, generator=g), mask, d ** -0.5)
+            for _ in range(LAYERS)]
+
+
+def sweep(args) -> None:
+    import itertools
+
+    from compile_backend.ops.gqa_decode_triton import LAUNCH, Launch, gqa_decode_triton
+
+    print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}; the op's launch: {LAUNCH}")
+    rows = []
+    for b in (int(x) for x in args.batch.split(",")):
+        for length in (int(x) for x in args.lengths.split(",")):
+            layers = make_layers(b, length)
+            want = gqa_decode_triton(*layers[0])
+            times = {}
+            for per_sm, block, warps, stages in itertools.product((1, 2, 4, 8), (32, 64, 128), (4, 8), (1, 2, 3)):
+                launch = Launch(per_sm, block, warps, stages)
+                got = gqa_decode_triton(*layers[0], launch=launch)
+                if not torch.allclose(got.float(), want.float(), rtol=2e-3, atol=2e-3):
+                    raise SystemExit(f"B={b} L={length} {launch}: result differs from the op's launch")
+                times[launch] = graph_us(lambda *a, launch=launch: gqa_decode_triton(*a, launch=launch), layers)
+            best = min(times, key=times.get)
+            row = dict(batch=b, length=length, op_us=times[LAUNCH], best_us=times[best], best=vars(best),
+                       all={str(vars(k)): t for k, t in times.items()})
+            rows.append(row)
+            print(f"B={b} L={length}: the op's launch {times[LAUNCH]:.1f} µs, best {times[best]:.1f} µs with {best}",
+                  flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "results_gqa_decode_sweep.json"), "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
 
 

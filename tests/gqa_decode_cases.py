@@ -85,6 +85,10 @@ def interpret() -> None:
                                               advance=1)
             assert torch.equal(again, got) and torch.equal(k_again, args[3]) and torch.equal(v_again, args[4])
             assert counter.item() == pos + 1, (case, pos, "advance", counter.item())
+            # Another launch (benchmarks/bench_gqa_decode.py --sweep): more, shorter splits; the same result.
+            other = kernels.gqa_decode_triton(q, k_cache, v_cache, mask, scale, launch=kernels.Launch(8, 32, 4, 1))
+            err = (other.float() - plain.float()).abs().max().item()
+            assert err < 2e-3, (case, pos, "another launch", err)
     print("ok")
 
 

@@ -14,11 +14,28 @@ Imported only where Triton is (a CUDA build of torch); the op's other paths need
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 BLOCK_L = 64  # cache positions per step of a program
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How the split kernel is launched: the cache is split until about ``programs_per_sm`` programs
+    per SM run (never below ``block_l`` positions per program), each stepping ``block_l`` positions
+    at a time with ``num_warps`` warps and ``num_stages`` software-pipeline stages.  ``LAUNCH`` is what
+    the op uses; benchmarks/bench_gqa_decode.py --sweep times the others."""
+    programs_per_sm: int = 2
+    block_l: int = BLOCK_L
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+LAUNCH = Launch()
 LOG2E = tl.constexpr(1.4426950408889634)  # scores are kept in base 2: exp(x) = exp2(x * log2(e))
 
 
@@ -135,19 +152,21 @@ def _gqa_decode_combine(part_o, part_ml, out_ptr, so_b, so_h, HKV, S, order_ptr,
 
 def gqa_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                       scale: float, rope: tuple | None = None, out_order: torch.Tensor | None = None,
-                      advance: int = 0) -> torch.Tensor:
+                      advance: int = 0, launch: Launch = LAUNCH) -> torch.Tensor:
     """``q`` [B, Hkv*n, 1, D], ``k``/``v`` [B, Hkv, L, D] (last dim contiguous), ``mask``
     [B, 1 or Hkv*n, 1, L] (float, added to the scores, or bool, True = attend) or None.  ``rope``:
     ``(k_new, v_new, position, cos, sin)`` of ``quantfuse::gqa_decode_rope`` (``q`` then un-rotated,
     ``k``/``v`` the caches, written at ``position``).  ``out_order``: contiguous [H*D], where each batch
-    row's values are stored (ops/gqa_decode.py).  ``advance``: added to ``rope``'s ``position`` afterwards."""
+    row's values are stored (ops/gqa_decode.py).  ``advance``: added to ``rope``'s ``position`` afterwards.
+    ``launch``: the split kernel's launch (``Launch``)."""
     B, H, _, D = q.shape
     Hkv, L = k.shape[1], k.shape[2]
     n = H // Hkv
     NP = max(16, triton.next_power_of_2(n))
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    splits = max(1, min(triton.cdiv(L, BLOCK_L), 2 * sms // (B * Hkv)))
-    chunk = triton.cdiv(triton.cdiv(L, splits), BLOCK_L) * BLOCK_L
+    block = launch.block_l
+    splits = max(1, min(triton.cdiv(L, block), launch.programs_per_sm * sms // (B * Hkv)))
+    chunk = triton.cdiv(triton.cdiv(L, splits), block) * block
     S = triton.cdiv(L, chunk)
     part_o = torch.empty(B * Hkv * S * NP * D, device=q.device, dtype=torch.float32)
     part_ml = torch.empty(B * Hkv * S * NP * 2, device=q.device, dtype=torch.float32)
@@ -168,8 +187,9 @@ def gqa_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
         q, k, v, mask_arg, part_o, part_ml, L, chunk, scale * LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         sm_b, sm_h, sm_l, Hkv, *rope_args,
-        N=n, NP=NP, D=D, BL=BLOCK_L, S=S, HAS_MASK=mask is not None,
-        MASK_BOOL=mask is not None and mask.dtype == torch.bool, ROPE=rope is not None, num_warps=4, num_stages=2)
+        N=n, NP=NP, D=D, BL=block, S=S, HAS_MASK=mask is not None,
+        MASK_BOOL=mask is not None and mask.dtype == torch.bool, ROPE=rope is not None, num_warps=launch.num_warps,
+        num_stages=launch.num_stages)
     _gqa_decode_combine[(B * Hkv, n)](part_o, part_ml, out, out.stride(0), out.stride(1), Hkv, S,
                                       part_ml if out_order is None else out_order,  # unread without an order
                                       part_ml if not advance else rope[2],  # unread without an advance
