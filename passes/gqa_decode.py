@@ -51,10 +51,10 @@ launch-bound kernels per layer).  Only where each cache is read by nothing but i
 attention, the rotated query and key by nothing but the attention and the write, ``cos``/``sin``
 are ``[B or 1, 1, 1, D]`` and ``position`` one integer; else the attention alone becomes the op.
 ``counters["quantfuse"]["gqa_decode_rope"]`` counts these.  Where the position is the static cache's own
-per-layer ``torch.arange(1) + counter`` followed by ``counter.add_(1)`` (transformers 5), the op is handed
-the counter as its position with ``advance=1`` and both nodes go (each was a launch per layer); only where
-the counter is a graph input that nothing reads after its increment
-(``counters["quantfuse"]["gqa_decode_rope_counter"]``).
+per-layer ``torch.arange(1) + counter`` followed by ``counter.add_(1)`` (transformers 5), the attention
+becomes ``quantfuse::gqa_decode_rope_advance``, which reads the counter as its position and advances it,
+and both nodes go (each was a launch per layer); only where the counter is a graph input that nothing
+reads after its increment (``counters["quantfuse"]["gqa_decode_rope_counter"]``).
 
 Where the op's result goes, through views only, to an act-order layer that puts its input in its order
 (``AWQLinear``'s ``torch.empty_like(x).index_copy_(-1, perm_inverse, x)`` before ``o_proj``), the op
@@ -266,11 +266,11 @@ def _fuse_rope(graph, sdpa: Node, q: Node, k_cache: Node, v_cache: Node, mask, s
             and values[5].dtype.is_floating_point and values[6].dtype.is_floating_point):
         return False
     counter = _counter_of(graph, position, {kw[0], vw[0]})
+    # With the cache's counter: the op that reads it as the position and advances it.
+    op = torch.ops.quantfuse.gqa_decode_rope if counter is None else torch.ops.quantfuse.gqa_decode_rope_advance
     with graph.inserting_before(sdpa):
-        out = graph.call_function(
-            torch.ops.quantfuse.gqa_decode_rope.default,
-            (q_raw, k_raw, v_new, k_cache, v_cache, position if counter is None else counter[0], cos, sin, mask, scale),
-            {} if counter is None else {"advance": 1})  # the op reads the counter as the position and advances it
+        out = graph.call_function(op.default, (q_raw, k_raw, v_new, k_cache, v_cache,
+                                               position if counter is None else counter[0], cos, sin, mask, scale))
     _replace(graph, sdpa, out, *sdpa.args[1:3])
     for write in (kw[0], vw[0]):
         graph.erase_node(write)
@@ -371,7 +371,8 @@ def _replace(graph, sdpa: Node, out: Node, k: Node, v: Node) -> None:
 # changes the dtype); which element goes where is then checked on a probe (``_same_rows``).
 _ORDER_METHODS = ("reshape", "view", "transpose", "contiguous", "flatten", "to")
 _ORDER_FUNCTIONS = (torch.reshape, torch.transpose, torch.flatten)
-OPS = (torch.ops.quantfuse.gqa_decode.default, torch.ops.quantfuse.gqa_decode_rope.default)
+OPS = (torch.ops.quantfuse.gqa_decode.default, torch.ops.quantfuse.gqa_decode_rope.default,
+       torch.ops.quantfuse.gqa_decode_rope_advance.default)
 
 
 def _keeps_values(node: Node, x: Node) -> bool:

@@ -23,11 +23,12 @@ import torch.nn.functional as F
 from gqa_decode_cases import make, out_order
 
 from compile_backend.ops import QuantfuseInputError
-from compile_backend.ops.gqa_decode import rope, rope_reference
+from compile_backend.ops.gqa_decode import advance_reference, rope, rope_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 gqa_decode_rope = torch.ops.quantfuse.gqa_decode_rope
 gqa_decode = torch.ops.quantfuse.gqa_decode
+gqa_decode_rope_advance = torch.ops.quantfuse.gqa_decode_rope_advance
 
 
 def transformers_step(q, k, v, k_cache, v_cache, position, cos, sin, mask, scale):
@@ -181,11 +182,12 @@ def test_op_reads_the_projections_output_in_place(monkeypatch):
     counters.clear()
     (got_logits, got_caches), codes = run_and_get_code(_decode_steps, model, torch.compile(model, backend="quantfuse"),
                                                        model.config)
-    calls = [line for code in codes for line in code.splitlines() if "gqa_decode_rope.default(" in line]
+    calls = [line for code in codes for line in code.splitlines()
+             if re.search(r"gqa_decode_rope(_advance)?\.default\(", line)]
     assert len(calls) == model.config.num_hidden_layers == counters["quantfuse"]["gqa_decode_rope"], calls
     view = r"reinterpret_tensor\({}, \([^)]*\), \([^)]*\), \d+\)"  # (buffer, sizes, strides, offset)
-    same_buffer = re.compile(r"gqa_decode_rope\.default\(" + ", ".join(
-        [view.format(r"(buf\d+)"), view.format(r"\1"), view.format(r"\1")]))
+    same_buffer = re.compile(r"gqa_decode_rope(_advance)?\.default\(" + ", ".join(
+        [view.format(r"(buf\d+)"), view.format(r"\2"), view.format(r"\2")]))
     for call in calls:
         assert same_buffer.search(call), call
     for got, want in zip([*got_logits, *got_caches], [*want_logits, *want_caches]):
@@ -240,6 +242,30 @@ class CachedAttention(_Cached):
         if self.variant == "counter read after":
             return out, self.counter * 2
         return out
+
+
+@pytest.mark.compile
+def test_a_position_given_to_the_model_is_not_mutated(monkeypatch):
+    """Where the position is an input of the graph (a model called with ``cache_position``, as transformers 4
+    writes its cache), the op is the one that only reads it: no input mutation, which would make CUDA graph
+    trees skip the graph."""
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import run_and_get_code
+
+    _stand_in_for_cuda_graphs(monkeypatch)
+    g = torch.Generator().manual_seed(2)
+    angle = torch.rand(2, 1, 1, 16, generator=g) * 6
+    args = (torch.randn(2, 6, 1, 32, generator=g), torch.randn(2, 2, 1, 32, generator=g),
+            torch.randn(2, 2, 1, 32, generator=g), torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1),
+            torch.tensor([9]), torch.rand(2, 1, 1, 16, generator=g) < 0.8)
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad():
+        _, codes = run_and_get_code(torch.compile(CachedAttention(), backend="quantfuse"), *args)
+    assert counters["quantfuse"]["gqa_decode_rope"] == 1 and counters["quantfuse"]["gqa_decode_rope_counter"] == 0
+    assert any("gqa_decode_rope.default(" in code for code in codes)
+    assert not any("gqa_decode_rope_advance" in code for code in codes)
+    assert torch.ops.quantfuse.gqa_decode_rope.default._schema.arguments[5].alias_info is None  # position: read
 
 
 @pytest.mark.compile
@@ -304,22 +330,25 @@ def test_bad_out_order_is_named(order):
         gqa_decode(args[0], args[3], args[4], args[8], args[9], order)
 
 
-def test_advance_moves_the_position_after_reading_it():
-    """``advance``: the op writes and attends at ``position`` as without it, then adds ``advance`` to it."""
+def test_advance_reads_the_counter_then_advances_it():
+    """``gqa_decode_rope_advance``: ``gqa_decode_rope`` at the counter's position, then the counter + 1; the
+    plain op leaves its position as it was."""
     args = make(pos=11)
     clones = [t.clone() if isinstance(t, torch.Tensor) else t for t in args]
     want = gqa_decode_rope(*clones)
-    got = gqa_decode_rope(*args, advance=1)
+    got = gqa_decode_rope_advance(*args)
     assert torch.equal(got, want) and torch.equal(args[3], clones[3]) and torch.equal(args[4], clones[4])
     assert args[5].tolist() == [12] and clones[5].tolist() == [11]
-    with pytest.raises(QuantfuseInputError, match="'advance' must be a non-negative int, got -1"):
-        gqa_decode_rope(*args, advance=-1)
+    bad = list(args)
+    bad[5] = torch.tensor([1.0])
+    with pytest.raises(QuantfuseInputError, match="quantfuse.gqa_decode_rope_advance: 'counter' must be one int32"):
+        gqa_decode_rope_advance(*bad)
 
 
 def test_opcheck_with_out_order_and_advance():
     args = make()
     torch.library.opcheck(gqa_decode_rope, (*args, out_order(args[0])), test_utils=("test_schema", "test_faketensor"))
-    torch.library.opcheck(gqa_decode_rope, make(), {"advance": 1}, test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(gqa_decode_rope_advance, make(), test_utils=("test_schema", "test_faketensor"))
     torch.library.opcheck(gqa_decode, (args[0], args[3], args[4], args[8], args[9], out_order(args[0])),
                           test_utils=("test_schema", "test_faketensor"))
 
@@ -492,17 +521,17 @@ def test_gpu_out_order_stores_the_same_values(dtype):
 @gpu
 @pytest.mark.gpu
 def test_gpu_advance_in_a_cuda_graph():
-    """Captured once with ``advance=1``: each replay writes and attends at the counter's position and then
-    advances it, as the reference does step by step."""
+    """``gqa_decode_rope_advance`` captured once: each replay writes and attends at the counter's position and
+    then advances it, as the reference does step by step."""
     args = list(make(b=1, hkv=8, n=4, length=256, d=128, pos=10, dtype=torch.float16, device="cuda"))
     ref_args = [t.clone() if isinstance(t, torch.Tensor) else t for t in args]
-    gqa_decode_rope(*[t.clone() if isinstance(t, torch.Tensor) else t for t in args], advance=1)  # warm-up
+    gqa_decode_rope_advance(*[t.clone() if isinstance(t, torch.Tensor) else t for t in args])  # warm-up
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = gqa_decode_rope(*args, advance=1)
+        out = gqa_decode_rope_advance(*args)
     for pos in (10, 11, 12):
         graph.replay()
-        want = rope_reference(*ref_args, advance=1)
+        want = advance_reference(*ref_args)
         assert args[5].item() == ref_args[5].item() == pos + 1
         assert torch.equal(args[3], ref_args[3]) and torch.equal(args[4], ref_args[4]), pos
         torch.testing.assert_close(out, want, rtol=2e-3, atol=2e-3)

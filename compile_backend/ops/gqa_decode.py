@@ -25,6 +25,7 @@ against.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 
@@ -184,11 +185,14 @@ lib.impl("gqa_decode", _cuda, "CUDA")
 # key and value at ``position`` in place of the cache's, and the program whose slice holds ``position``
 # writes them into the caches; no launch of its own for the rotary or the writes.
 #
-# ``advance``: added to ``position`` in place once the op has read it (0: ``position`` is only read).
-# transformers' static cache keeps a counter per layer and writes at ``arange(1) + counter`` before
-# ``counter.add_(1)``; the pass hands the op the counter itself with ``advance=1``, so that neither the
-# position's sum nor the counter's increment is a launch of its own (the combine kernel, which runs
-# after every program of the split kernel has read the position, advances it).
+# ``gqa_decode_rope_advance(q, k, v, k_cache, v_cache, counter, cos, sin, attn_mask, scale)``: the same at
+# ``position = counter``, then ``counter += 1`` in place.  transformers 5's static cache keeps a counter
+# per layer and writes at ``arange(1) + counter`` before ``counter.add_(1)``; the pass hands this op the
+# counter itself, so that neither the position's sum nor the counter's increment is a launch of its own
+# (the combine kernel, which runs after every program of the split kernel has read the position, advances
+# it).  A separate op rather than a flag: a mutable argument is an input mutation to torch.compile even
+# where nothing is written, and CUDA graph trees skip a graph that mutates a non-static input such as the
+# ``cache_position`` a model is called with.
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -202,11 +206,12 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return (xf * cos.float() + rotate_half(xf) * sin.float()).to(x.dtype)
 
 
-def _check_rope(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale, advance=0) -> None:
+def _check_rope(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale, op="gqa_decode_rope",
+                pos_name="position") -> None:
     def fail(what):
-        raise QuantfuseInputError(f"quantfuse.gqa_decode_rope: {what}")
+        raise QuantfuseInputError(f"quantfuse.{op}: {what}")
 
-    _check(q, k_cache, v_cache, attn_mask, scale, "gqa_decode_rope", ("k_cache", "v_cache"))
+    _check(q, k_cache, v_cache, attn_mask, scale, op, ("k_cache", "v_cache"))
     B, _, _, D = q.shape
     Hkv = k_cache.shape[1]
     for name, t in (("k", k), ("v", v)):
@@ -217,10 +222,8 @@ def _check_rope(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale,
     if D % 2:
         fail(f"the head size must be even for rotate_half, got {D}")
     if position.numel() != 1 or position.dtype not in (torch.int32, torch.int64) or position.device != q.device:
-        fail(f"'position' must be one int32 or int64 element on {q.device}, got shape {tuple(position.shape)}, "
+        fail(f"'{pos_name}' must be one int32 or int64 element on {q.device}, got shape {tuple(position.shape)}, "
              f"{position.dtype} on {position.device}")
-    if not isinstance(advance, int) or advance < 0:
-        fail(f"'advance' must be a non-negative int, got {advance!r}")
     for name, t in (("cos", cos), ("sin", sin)):
         if (t.dim() != 4 or t.shape[0] not in (1, B) or tuple(t.shape[1:]) != (1, 1, D)
                 or not t.dtype.is_floating_point or t.device != q.device):
@@ -228,33 +231,44 @@ def _check_rope(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale,
                  f"{t.dtype} on {t.device}")
 
 
-def rope_reference(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale, out_order=None, advance=0):
-    """What the op does, in torch ops: ``rope``, the cache writes (``index_copy_``), ``gqa_decode``'s
-    reference, then ``position += advance``."""
-    _check_rope(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale, advance)
-    _check_order(q, out_order, "gqa_decode_rope")
+def _rope_reference(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale, out_order, advance: bool):
+    op, pos_name = ("gqa_decode_rope_advance", "counter") if advance else ("gqa_decode_rope", "position")
+    _check_rope(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale, op, pos_name)
+    _check_order(q, out_order, op)
     index = position.reshape(1).long().clone()
     k_cache.index_copy_(2, index, rope(k, cos, sin))
     v_cache.index_copy_(2, index, v)
     out = placed(_on_kv_heads(rope(q, cos, sin), k_cache, v_cache, attn_mask, scale), out_order)
     if advance:
-        position.add_(advance)
+        position.add_(1)
     return out
 
 
-def _rope_cuda(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale, out_order=None, advance=0):
-    _check_rope(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale, advance)
-    _check_order(q, out_order, "gqa_decode_rope")
+def rope_reference(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale, out_order=None):
+    """What the op does, in torch ops: ``rope``, the cache writes (``index_copy_``), ``gqa_decode``'s
+    reference."""
+    return _rope_reference(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale, out_order, False)
+
+
+def advance_reference(q, k, v, k_cache, v_cache, counter, cos, sin, attn_mask, scale, out_order=None):
+    """``rope_reference`` at ``position = counter``, then ``counter += 1``."""
+    return _rope_reference(q, k, v, k_cache, v_cache, counter, cos, sin, attn_mask, scale, out_order, True)
+
+
+def _rope_cuda(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale, out_order, advance: bool):
+    op, pos_name = ("gqa_decode_rope_advance", "counter") if advance else ("gqa_decode_rope", "position")
+    _check_rope(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale, op, pos_name)
+    _check_order(q, out_order, op)
     reason = (kernel_refusal(q, k_cache, v_cache, attn_mask, out_order)
               or rope_kernel_refusal(k, v, k_cache, v_cache, cos, sin))
     if reason is not None:
-        log.debug("quantfuse.gqa_decode_rope: reference runs: %s", reason)
-        return rope_reference(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale, out_order, advance)
+        log.debug("quantfuse.%s: reference runs: %s", op, reason)
+        return _rope_reference(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale, out_order, advance)
     from .gqa_decode_triton import gqa_decode_triton
 
     with torch.cuda.device(q.device):
         return gqa_decode_triton(q, k_cache, v_cache, attn_mask, scale, rope=(k, v, position, cos, sin),
-                                 out_order=out_order, advance=advance)
+                                 out_order=out_order, advance=int(advance))
 
 
 def rope_kernel_refusal(k, v, k_cache, v_cache, cos, sin) -> str | None:
@@ -266,13 +280,19 @@ def rope_kernel_refusal(k, v, k_cache, v_cache, cos, sin) -> str | None:
     return None
 
 
-def _rope_fake(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale, out_order=None, advance=0):
+def _rope_fake(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale, out_order=None):
     return q.new_empty(q.shape)
 
 
 ROPE_SCHEMA = ("gqa_decode_rope(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-               "Tensor(c!) position, Tensor cos, Tensor sin, Tensor? attn_mask, float scale, "
-               "Tensor? out_order=None, int advance=0) -> Tensor")
+               "Tensor position, Tensor cos, Tensor sin, Tensor? attn_mask, float scale, Tensor? out_order=None) "
+               "-> Tensor")
+ADVANCE_SCHEMA = ("gqa_decode_rope_advance(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+                  "Tensor(c!) counter, Tensor cos, Tensor sin, Tensor? attn_mask, float scale, "
+                  "Tensor? out_order=None) -> Tensor")
 
 gqa_decode_rope = define_op(ROPE_SCHEMA, rope_reference, _rope_fake, kernel_dispatch=False, strides="any")
-lib.impl("gqa_decode_rope", _rope_cuda, "CUDA")
+lib.impl("gqa_decode_rope", functools.partial(_rope_cuda, advance=False), "CUDA")
+gqa_decode_rope_advance = define_op(ADVANCE_SCHEMA, advance_reference, _rope_fake, kernel_dispatch=False,
+                                    strides="any")
+lib.impl("gqa_decode_rope_advance", functools.partial(_rope_cuda, advance=True), "CUDA")
