@@ -244,6 +244,17 @@ class CachedAttention(_Cached):
         return out
 
 
+def _cached_attention_inputs():
+    """``CachedAttention``'s (q, k, v, cos, sin, position, mask): position 9, which the mask attends."""
+    g = torch.Generator().manual_seed(2)
+    angle = torch.rand(2, 1, 1, 16, generator=g) * 6
+    mask = torch.rand(2, 1, 1, 16, generator=g) < 0.8
+    mask[..., 9] = True
+    return (torch.randn(2, 6, 1, 32, generator=g), torch.randn(2, 2, 1, 32, generator=g),
+            torch.randn(2, 2, 1, 32, generator=g), torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1),
+            torch.tensor([9]), mask)
+
+
 @pytest.mark.compile
 def test_a_position_given_to_the_model_is_not_mutated(monkeypatch):
     """Where the position is an input of the graph (a model called with ``cache_position``, as transformers 4
@@ -253,11 +264,7 @@ def test_a_position_given_to_the_model_is_not_mutated(monkeypatch):
     from torch._inductor.utils import run_and_get_code
 
     _stand_in_for_cuda_graphs(monkeypatch)
-    g = torch.Generator().manual_seed(2)
-    angle = torch.rand(2, 1, 1, 16, generator=g) * 6
-    args = (torch.randn(2, 6, 1, 32, generator=g), torch.randn(2, 2, 1, 32, generator=g),
-            torch.randn(2, 2, 1, 32, generator=g), torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1),
-            torch.tensor([9]), torch.rand(2, 1, 1, 16, generator=g) < 0.8)
+    args = _cached_attention_inputs()
     torch._dynamo.reset()
     counters.clear()
     with torch.no_grad():
@@ -279,12 +286,7 @@ def test_pass_fuses_only_that_form(monkeypatch, variant, fused, counted):
     from torch._dynamo.utils import counters
 
     _stand_in_for_cuda_graphs(monkeypatch)
-    g = torch.Generator().manual_seed(2)
-    angle = torch.rand(2, 1, 1, 16, generator=g) * 6
-    args = (torch.randn(2, 6, 1, 32, generator=g), torch.randn(2, 2, 1, 32, generator=g),
-            torch.randn(2, 2, 1, 32, generator=g), torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1),
-            torch.tensor([9]), torch.rand(2, 1, 1, 16, generator=g) < 0.8)
-    args[-1][..., 9] = True
+    args = _cached_attention_inputs()
     eager, compiled = CachedAttention(variant), CachedAttention(variant)
     torch._dynamo.reset()
     counters.clear()
