@@ -231,8 +231,12 @@ def _check_rope(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale,
                  f"{t.dtype} on {t.device}")
 
 
+# (the op's name, its position argument's name) by whether it advances the position
+_ROPE_OPS = {False: ("gqa_decode_rope", "position"), True: ("gqa_decode_rope_advance", "counter")}
+
+
 def _rope_reference(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale, out_order, advance: bool):
-    op, pos_name = ("gqa_decode_rope_advance", "counter") if advance else ("gqa_decode_rope", "position")
+    op, pos_name = _ROPE_OPS[advance]
     _check_rope(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale, op, pos_name)
     _check_order(q, out_order, op)
     index = position.reshape(1).long().clone()
@@ -256,7 +260,7 @@ def advance_reference(q, k, v, k_cache, v_cache, counter, cos, sin, attn_mask, s
 
 
 def _rope_cuda(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale, out_order, advance: bool):
-    op, pos_name = ("gqa_decode_rope_advance", "counter") if advance else ("gqa_decode_rope", "position")
+    op, pos_name = _ROPE_OPS[advance]
     _check_rope(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale, op, pos_name)
     _check_order(q, out_order, op)
     reason = (kernel_refusal(q, k_cache, v_cache, attn_mask, out_order)
