@@ -6,7 +6,7 @@ head ``h``, as transformers' ``repeat_kv`` pairs them) and ``attn_mask`` ``[B, 1
 added to the scores when floating, or True where a position is attended when bool. It returns
 ``softmax(q·kᵀ·scale + mask)·v``, ``[B, Hkv*n, 1, D]`` in ``q``'s dtype.
 
-``out_order`` (optional, both ops): an int ``[H*D]`` permutation (``H = Hkv*n``) by which each batch
+``out_order`` (optional, every op here): an int ``[H*D]`` permutation (``H = Hkv*n``) by which each batch
 row of the result, read as ``H*D`` values (heads, then head dimensions), is stored in another order:
 ``result.view(B, H*D)[b, out_order[c]] = attention(b, c)``.  That is an act-order ``o_proj``'s input
 order (``AWQLinear``'s scatter by ``perm_inverse``), which the pass moves into the op: the kernels
