@@ -71,6 +71,7 @@ import math
 import operator
 
 import torch
+from torch._dynamo.utils import counters
 from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
@@ -275,8 +276,6 @@ def _fuse_rope(graph, sdpa: Node, q: Node, k_cache: Node, v_cache: Node, mask, s
     for write in (kw[0], vw[0]):
         graph.erase_node(write)
     if counter is not None:
-        from torch._dynamo.utils import counters
-
         for node in (counter[2], position, counter[1]):  # the increment, the position's sum, its arange
             graph.erase_node(node)
         counters["quantfuse"]["gqa_decode_rope_counter"] += 1
@@ -320,8 +319,6 @@ def _rewrite(graph, sdpa: Node, on_cuda_graphs: bool) -> bool:
     scale = _op_scale(sdpa, qs)
     if scale is not None and _takes_op((q, rk[0], rv[0], mask), on_cuda_graphs):
         if _fuse_rope(graph, sdpa, q, rk[0], rv[0], mask, scale):
-            from torch._dynamo.utils import counters
-
             counters["quantfuse"]["gqa_decode_rope"] += 1
             return True
         with graph.inserting_before(sdpa):
@@ -460,8 +457,6 @@ def pack_gqa_decode(gm: GraphModule, on_cuda_graphs: bool = False) -> int:
     ordered = sum(_fold_output_order(graph, node) for node in list(graph.nodes)
                   if node.op == "call_function" and node.target in OPS)
     if ordered:
-        from torch._dynamo.utils import counters
-
         counters["quantfuse"]["gqa_decode_out_order"] += ordered
         log.info("quantfuse: %d act-order input order(s) stored by the decode attention", ordered)
     if rewritten:

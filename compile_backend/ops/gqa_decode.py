@@ -235,10 +235,19 @@ def _check_rope(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale,
 _ROPE_OPS = {False: ("gqa_decode_rope", "position"), True: ("gqa_decode_rope_advance", "counter")}
 
 
-def _rope_reference(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale, out_order, advance: bool):
+def _check_rope_op(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale, out_order, advance: bool):
     op, pos_name = _ROPE_OPS[advance]
     _check_rope(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale, op, pos_name)
     _check_order(q, out_order, op)
+
+
+def _rope_reference(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale, out_order, advance: bool):
+    _check_rope_op(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale, out_order, advance)
+    return _rope_on_checked(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale, out_order, advance)
+
+
+def _rope_on_checked(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale, out_order, advance: bool):
+    """``_rope_reference`` on checked arguments."""
     index = position.reshape(1).long().clone()
     k_cache.index_copy_(2, index, rope(k, cos, sin))
     v_cache.index_copy_(2, index, v)
@@ -260,14 +269,12 @@ def advance_reference(q, k, v, k_cache, v_cache, counter, cos, sin, attn_mask, s
 
 
 def _rope_cuda(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale, out_order, advance: bool):
-    op, pos_name = _ROPE_OPS[advance]
-    _check_rope(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale, op, pos_name)
-    _check_order(q, out_order, op)
+    _check_rope_op(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale, out_order, advance)
     reason = (kernel_refusal(q, k_cache, v_cache, attn_mask, out_order)
               or rope_kernel_refusal(k, v, k_cache, v_cache, cos, sin))
     if reason is not None:
-        log.debug("quantfuse.%s: reference runs: %s", op, reason)
-        return _rope_reference(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale, out_order, advance)
+        log.debug("quantfuse.%s: reference runs: %s", _ROPE_OPS[advance][0], reason)
+        return _rope_on_checked(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale, out_order, advance)
     from .gqa_decode_triton import gqa_decode_triton
 
     with torch.cuda.device(q.device):
