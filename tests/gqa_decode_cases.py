@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from compile_backend.ops.gqa_decode import placed, reference, rope_reference
+from compile_backend.ops.gqa_decode import HEAD_DIMS, placed, reference, rope_reference
 
 
 def make(b=2, hkv=2, n=3, length=40, d=64, pos=17, dtype=torch.float32, device="cpu", mask_kind="float", seed=0,
@@ -95,7 +95,8 @@ def interpret() -> None:
 def compile_for_hopper() -> None:
     """Both Triton kernels compiled for sm_90 (PTX and cubin, by Triton's own ptxas) in every
     specialization the launcher asks for: float16 and bfloat16, with and without the rotary, each kind
-    of mask, with and without an output order, advancing the position or not.  Needs no GPU; prints ok."""
+    of mask, each head size with its launch (within an SM's shared memory), with and without an output
+    order, advancing the position or not.  Needs no GPU; prints ok."""
     import itertools
 
     import triton
@@ -106,19 +107,27 @@ def compile_for_hopper() -> None:
 
     target = GPUTarget("cuda", 90, 32)
 
-    def build(fn, types: dict, constexprs: dict) -> None:
+    def build(fn, types: dict, constexprs: dict, options: dict | None = None):
         names = fn.arg_names
         signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
-        triton.compile(ASTSource(fn=fn, signature=signature,
-                                 constexprs={(names.index(k),): v for k, v in constexprs.items()}), target=target)
+        # Pointers and integers divisible by 16, as the launcher specializes them for aligned tensors
+        # and strides: the specialization whose loads are pipelined through shared memory, the most it takes.
+        aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if signature[n][0] in "*i"}
+        return triton.compile(ASTSource(fn=fn, signature=signature, attrs=aligned,
+                                        constexprs={(names.index(k),): v for k, v in constexprs.items()}),
+                              target=target, options=options)
 
-    for dtype, rope, (has_mask, mask_bool) in itertools.product(
-            ("fp16", "bf16"), (False, True), ((False, False), (True, True), (True, False))):
+    for dtype, rope, (has_mask, mask_bool), d in itertools.product(
+            ("fp16", "bf16"), (False, True), ((False, False), (True, True), (True, False)), HEAD_DIMS):
         act, mask = f"*{dtype}", ("*i1" if mask_bool else f"*{dtype}") if has_mask else f"*{dtype}"
-        build(kernels._gqa_decode_split,
-              dict(q_ptr=act, k_ptr=act, v_ptr=act, m_ptr=mask, part_o="*fp32", part_ml="*fp32", qk_scale="fp32",
-                   kn_ptr=act, vn_ptr=act, pos_ptr="*i64", cos_ptr=act, sin_ptr=act),
-              dict(N=4, NP=16, D=128, BL=kernels.BLOCK_L, HAS_MASK=has_mask, MASK_BOOL=mask_bool, ROPE=rope))
+        launch = kernels.launch_for(d)
+        compiled = build(kernels._gqa_decode_split,
+                         dict(q_ptr=act, k_ptr=act, v_ptr=act, m_ptr=mask, part_o="*fp32", part_ml="*fp32",
+                              qk_scale="fp32", kn_ptr=act, vn_ptr=act, pos_ptr="*i64", cos_ptr=act, sin_ptr=act),
+                         dict(N=16, NP=16, D=d, BL=launch.block_l, HAS_MASK=has_mask, MASK_BOOL=mask_bool, ROPE=rope),
+                         dict(num_warps=launch.num_warps, num_stages=launch.num_stages))
+        # An SM has 227 KB of shared memory for a block (sm_90); a launch asking more fails on the GPU only.
+        assert compiled.metadata.shared <= 227 * 1024, (d, launch, compiled.metadata.shared)
     for dtype, order, advance in itertools.product(("fp16", "bf16"), (False, True), (0, 1)):
         build(kernels._gqa_decode_combine,
               dict(part_o="*fp32", part_ml="*fp32", out_ptr=f"*{dtype}", order_ptr="*i64" if order else "*fp32",

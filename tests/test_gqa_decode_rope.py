@@ -103,6 +103,23 @@ def test_opcheck():
     torch.library.opcheck(gqa_decode_rope, make(), test_utils=("test_schema", "test_faketensor"))
 
 
+@pytest.mark.parametrize("name", ["gqa_decode", "gqa_decode_rope", "gqa_decode_rope_advance"])
+def test_cuda_kernel_takes_the_call_without_its_defaults(name):
+    """The dispatcher hands a Python kernel only the arguments its caller gave: the CUDA implementation of
+    each op accepts a call that leaves out every argument with a default (here ``out_order``)."""
+    import functools
+    import inspect
+
+    import compile_backend.ops.gqa_decode as mod
+
+    kernel = {"gqa_decode": mod._cuda, "gqa_decode_rope": functools.partial(mod._rope_cuda, advance=False),
+              "gqa_decode_rope_advance": functools.partial(mod._rope_cuda, advance=True)}[name]
+    schema = getattr(torch.ops.quantfuse, name).default._schema
+    required = [a.name for a in schema.arguments if not a.has_default_value()]
+    assert len(required) < len(schema.arguments)
+    inspect.signature(kernel).bind(*required)
+
+
 # --------------------------------------------------------------------------- the pass
 
 

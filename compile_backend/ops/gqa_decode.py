@@ -268,7 +268,8 @@ def advance_reference(q, k, v, k_cache, v_cache, counter, cos, sin, attn_mask, s
     return _rope_reference(q, k, v, k_cache, v_cache, counter, cos, sin, attn_mask, scale, out_order, True)
 
 
-def _rope_cuda(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale, out_order, advance: bool):
+# ``out_order`` has its default here: the dispatcher hands a Python kernel only the arguments the caller gave.
+def _rope_cuda(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale, out_order=None, *, advance: bool):
     _check_rope_op(q, k, v, k_cache, v_cache, position, cos, sin, attn_mask, scale, out_order, advance)
     reason = (kernel_refusal(q, k_cache, v_cache, attn_mask, out_order)
               or rope_kernel_refusal(k, v, k_cache, v_cache, cos, sin))
