@@ -258,7 +258,8 @@ def test_gptq_fused_generate(tmp_path, device, request):
     layer 1 act-order.  Every linear fused into ``awq_gemm`` (layer 1's activation gathers folded into
     its ``perm``), q/k/v and gate/up merged in both layers, ``generate`` tokens equal to eager's.  On a GPU
     the model is loaded on the CPU and moved (the layers' inverse orders follow), and decodes with CUDA
-    graphs from the first call, layer 1's attention storing its result in ``o_proj``'s order."""
+    graphs from the first call, layer 1's attention storing its result in ``o_proj``'s order and its RMSNorms
+    theirs in q/k/v's and gate/up's (``rms_norm_ordered``)."""
     if device == "cuda":
         request.getfixturevalue("cuda_kernels")
     from torch._dynamo.utils import counters
@@ -285,6 +286,8 @@ def test_gptq_fused_generate(tmp_path, device, request):
     assert_tokens_match(tokens, logits, ref_tokens, ref_logits, what="GPTQ act-order")
     if device == "cuda":
         assert counters["quantfuse"]["gqa_decode_out_order"] >= 1, dict(counters["quantfuse"])  # of its compile
+        # Layer 1's two RMSNorms (each after a residual add) store q/k/v's and gate/up's input in their order.
+        assert counters["quantfuse"]["rms_norm_ordered"] >= 2, dict(counters["quantfuse"])
 
 
 # --------------------------------------------------------------------------- 8-bit per-channel: W8A16Linear
