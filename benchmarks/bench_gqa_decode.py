@@ -105,9 +105,9 @@ def make_layers(b: int, length: int, dev="cuda", dtype=torch.float16, hkv=8, n=4
 def sweep(args) -> None:
     import itertools
 
-    from compile_backend.ops.gqa_decode_triton import Launch, gqa_decode_triton, launch_for
+    from compile_backend.ops.gqa_decode_triton import LAUNCH as op_launch
+    from compile_backend.ops.gqa_decode_triton import Launch, gqa_decode_triton
 
-    op_launch = launch_for(128)  # Llama-3-8B's head size (make_layers)
     print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}; the op's launch: {op_launch}")
     rows = []
     for b in (int(x) for x in args.batch.split(",")):

@@ -95,7 +95,7 @@ def interpret() -> None:
 def compile_for_hopper() -> None:
     """Both Triton kernels compiled for sm_90 (PTX and cubin, by Triton's own ptxas) in every
     specialization the launcher asks for: float16 and bfloat16, with and without the rotary, each kind
-    of mask, each head size with its launch (within an SM's shared memory), with and without an output
+    of mask, each head size with the op's launch (within an SM's shared memory), with and without an output
     order, advancing the position or not.  Needs no GPU; prints ok."""
     import itertools
 
@@ -120,7 +120,7 @@ def compile_for_hopper() -> None:
     for dtype, rope, (has_mask, mask_bool), d in itertools.product(
             ("fp16", "bf16"), (False, True), ((False, False), (True, True), (True, False)), HEAD_DIMS):
         act, mask = f"*{dtype}", ("*i1" if mask_bool else f"*{dtype}") if has_mask else f"*{dtype}"
-        launch = kernels.launch_for(d)
+        launch = kernels.LAUNCH
         compiled = build(kernels._gqa_decode_split,
                          dict(q_ptr=act, k_ptr=act, v_ptr=act, m_ptr=mask, part_o="*fp32", part_ml="*fp32",
                               qk_scale="fp32", kn_ptr=act, vn_ptr=act, pos_ptr="*i64", cos_ptr=act, sin_ptr=act),

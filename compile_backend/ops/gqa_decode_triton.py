@@ -7,7 +7,7 @@ cache: it reads the slice's keys and values once for all ``n`` query heads of th
 (as rows of one ``tl.dot``, padded to 16), and keeps a running maximum, sum and weighted sum of
 values per query head (the online softmax). The second kernel rescales the slices' sums to a
 common maximum and divides. One token of one key/value head is too little work to keep an SM
-busy, so the cache is split until every SM runs a program (``Launch``).
+busy, so the cache is split until about two programs per SM run (``Launch``).
 
 Imported only where Triton is (a CUDA build of torch); the op's other paths need none of it.
 """
@@ -25,25 +25,18 @@ import triton.language as tl
 class Launch:
     """How the split kernel is launched: the cache is split until about ``programs_per_sm`` programs
     per SM run (never below ``block_l`` positions per program), each stepping ``block_l`` positions
-    at a time with ``num_warps`` warps and ``num_stages`` software-pipeline stages.  ``launch_for``
-    says which the op uses; benchmarks/bench_gqa_decode.py --sweep times the others."""
-    programs_per_sm: int = 1
-    block_l: int = 128
+    at a time with ``num_warps`` warps and ``num_stages`` software-pipeline stages.  ``LAUNCH`` is
+    what the op uses; benchmarks/bench_gqa_decode.py --sweep times the others."""
+    programs_per_sm: int = 2
+    block_l: int = 64
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int = 2
 
 
-# Head sizes up to 128: the sweep's best on an H200 (Llama-3-8B heads, batch 1 and 8, caches of 700 and
-# 2048 positions: within 1% of the best launch in each, 6-17% faster than WIDE_HEAD_LAUNCH).  Heads of
-# 256 step 64 positions in two stages: the pipeline's buffers of 128 keys and values in three stages
-# take 332 KB of shared memory, more than an SM has (227 KB; tests/gqa_decode_cases.py checks).
+# In a 32-layer decode step on an H200 this launch's split kernel (with the rotary and the cache writes)
+# took 5.1 µs per layer at batch 1 and 13.7 at batch 8, where one program per SM stepping 128 positions in
+# three stages, the sweep's best for the attention alone, took 6.9 and 16.0 (benchmarks/RESULTS.md).
 LAUNCH = Launch()
-WIDE_HEAD_LAUNCH = Launch(programs_per_sm=2, block_l=64, num_warps=4, num_stages=2)
-
-
-def launch_for(head_dim: int) -> Launch:
-    """The split kernel's launch for heads of ``head_dim`` values."""
-    return LAUNCH if head_dim <= 128 else WIDE_HEAD_LAUNCH
 LOG2E = tl.constexpr(1.4426950408889634)  # scores are kept in base 2: exp(x) = exp2(x * log2(e))
 
 
@@ -160,15 +153,14 @@ def _gqa_decode_combine(part_o, part_ml, out_ptr, so_b, so_h, HKV, S, order_ptr,
 
 def gqa_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                       scale: float, rope: tuple | None = None, out_order: torch.Tensor | None = None,
-                      advance: int = 0, launch: Launch | None = None) -> torch.Tensor:
+                      advance: int = 0, launch: Launch = LAUNCH) -> torch.Tensor:
     """``q`` [B, Hkv*n, 1, D], ``k``/``v`` [B, Hkv, L, D] (last dim contiguous), ``mask``
     [B, 1 or Hkv*n, 1, L] (float, added to the scores, or bool, True = attend) or None.  ``rope``:
     ``(k_new, v_new, position, cos, sin)`` of ``quantfuse::gqa_decode_rope`` (``q`` then un-rotated,
     ``k``/``v`` the caches, written at ``position``).  ``out_order``: contiguous [H*D], where each batch
     row's values are stored (ops/gqa_decode.py).  ``advance``: added to ``rope``'s ``position`` afterwards.
-    ``launch``: the split kernel's launch (default ``launch_for(D)``)."""
+    ``launch``: the split kernel's launch (``Launch``)."""
     B, H, _, D = q.shape
-    launch = launch or launch_for(D)
     Hkv, L = k.shape[1], k.shape[2]
     n = H // Hkv
     NP = max(16, triton.next_power_of_2(n))
