@@ -21,13 +21,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
+import sys
 
 import torch
 import torch.nn.functional as F
 
 import compile_backend  # noqa: F401  (registers the op)
 from compile_backend.ops.gqa_decode import gqa_decode, reference
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import graph_us  # noqa: E402
 
 LAYERS = 32
 
@@ -36,28 +39,6 @@ def repeated(q, k, v, mask, scale):
     n = q.shape[1] // k.shape[1]
     rep = lambda x: x[:, :, None].expand(-1, -1, n, -1, -1).flatten(1, 2)  # noqa: E731
     return F.scaled_dot_product_attention(q, rep(k), rep(v), attn_mask=mask, scale=scale)
-
-
-def graph_us(fn, layers) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for args in layers[:3]:
-            fn(*args)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for args in layers:
-            fn(*args)
-    times = []
-    for _ in range(60):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / len(layers))
-    return statistics.median(times[10:])
 
 
 def main():

@@ -19,36 +19,17 @@ import argparse
 import itertools
 import json
 import os
-import statistics
+import sys
 
 import torch
 
 import compile_backend  # noqa: F401  (registers the op)
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import graph_us  # noqa: E402
+
 CALLS = 64
 K = 4096
-
-
-def graph_us(fn, calls) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for args in calls[:3]:
-            fn(*args)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for args in calls:
-            fn(*args)
-    times = []
-    for _ in range(60):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / len(calls))
-    return statistics.median(times[10:])
 
 
 def make_calls(b: int):
