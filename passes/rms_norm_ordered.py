@@ -17,13 +17,14 @@ order)`` without the add; compile_backend/ops/rms_norm_ordered.py), whose kernel
 over several programs; the sum ``s`` is its second result, which the rest of the graph reads instead.
 
 Runs on Dynamo's graph before Inductor (``backend._compile``), where the RMSNorm is still the calls
-above.  Rewritten only where every condition holds on the traced values: each node of the RMSNorm read by
-nothing but the next (``n`` by nothing but the scatters and their ``empty_like``), every scatter of ``n``
-by the same order, a graph input (a module's buffer) of ``K`` int32 or int64 on ``n``'s device; ``a``,
-``b`` and ``weight`` of ``s``'s shape (``[K]`` for the weight) and dtype, float16 or bfloat16; ``eps`` a
-number; and, as for the decode attention's op (passes/gqa_decode.py), the graph runs on CUDA as a
-CUDA graph (the op is a Python call per launch, which a replay skips) with no gradient to compute (the
-op has none).  ``counters["quantfuse"]["rms_norm_ordered"]`` counts the rewrites.
+above.  Rewritten only where every condition holds on the traced values: each node of the RMSNorm read
+by nothing but the next (``n`` by nothing but the scatters and their ``empty_like``), every scatter of
+``n`` by the same order, a graph input (a module's buffer) of ``K`` int32 or int64 on ``n``'s device;
+``a``, ``b`` and ``weight`` of ``s``'s shape (``[K]`` for the weight) and dtype, float16 or bfloat16;
+``eps`` a number; every other reader of the sum after the first scatter (it reads the op's second
+result); and, as for the decode attention's op (passes/gqa_decode.py), the graph runs on CUDA as a CUDA
+graph (the op is a Python call per launch, which a replay skips) with no gradient to compute (the op
+has none).  ``counters["quantfuse"]["rms_norm_ordered"]`` counts the rewrites.
 """
 
 from __future__ import annotations
