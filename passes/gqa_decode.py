@@ -75,6 +75,9 @@ from torch._dynamo.utils import counters
 from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from .dynamo_graph import example_value
+from .dynamo_graph import takes_op as _takes_op  # a name of its own here: CPU tests replace it
+
 log = logging.getLogger("quantfuse.gqa_decode")
 
 SDPA = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
@@ -83,7 +86,7 @@ _HEAD_SLOT = (_ALL, _ALL, None, _ALL, _ALL)  # x[:, :, None, :, :]
 
 
 def _shape(node) -> tuple | None:
-    value = node.meta.get("example_value") if isinstance(node, Node) else None
+    value = example_value(node)
     return tuple(value.shape) if isinstance(value, torch.Tensor) else None
 
 
@@ -123,15 +126,6 @@ def _op_scale(sdpa: Node, q_shape: tuple) -> float | None:
     if scale is None:
         return 1.0 / math.sqrt(q_shape[3]) if isinstance(q_shape[3], int) else None
     return float(scale) if isinstance(scale, (int, float)) else None
-
-
-def _takes_op(nodes, on_cuda_graphs: bool) -> bool:
-    """Whether the attention of these traced values runs as ``quantfuse::gqa_decode``: on CUDA,
-    under CUDA graphs (the op is a Python call per launch, which a replay skips), and without a
-    gradient to compute (the op has no derivative)."""
-    values = [n.meta.get("example_value") for n in nodes if isinstance(n, Node)]
-    return on_cuda_graphs and all(isinstance(t, torch.Tensor) and t.device.type == "cuda" and not t.requires_grad
-                                  for t in values)
 
 
 def _call(node, *targets) -> bool:
@@ -215,13 +209,13 @@ def _counter_of(graph, position: Node, writes: set[Node]) -> tuple[Node, Node, N
         return None
 
     def arange_one(n) -> bool:
-        v = n.meta.get("example_value") if isinstance(n, Node) else None
+        v = example_value(n)
         return (_call(n, torch.arange) and n.args in ((1,), (0, 1)) and set(n.users) == {position}
                 and isinstance(v, torch.Tensor) and v.shape == (1,))
 
     a, b = position.args
     arange, counter = (a, b) if arange_one(a) else (b, a) if arange_one(b) else (None, None)
-    cv = counter.meta.get("example_value") if isinstance(counter, Node) else None
+    cv = example_value(counter)
     if not (isinstance(counter, Node) and counter.op == "placeholder" and isinstance(cv, torch.Tensor)
             and cv.numel() == 1 and cv.dtype in (torch.int32, torch.int64)):
         return None

@@ -36,13 +36,12 @@ import torch
 from torch._dynamo.utils import counters
 from torch.fx import GraphModule, Node
 
+from .dynamo_graph import example_value
+from .dynamo_graph import takes_op as _takes_op  # a name of its own here: CPU tests replace it
+
 log = logging.getLogger("quantfuse.rms_norm_ordered")
 
 DTYPES = (torch.float16, torch.bfloat16)
-
-
-def _value(node):
-    return node.meta.get("example_value") if isinstance(node, Node) else None
 
 
 def _is(node, name: str, *functions) -> bool:
@@ -93,7 +92,7 @@ def _rms_norm(n: Node):
                     and _only_user(square, mean) and set(h.users) == {square, scaled}):
                 continue
             s = h.args[0]
-            sv, wv = _value(s), _value(weight)
+            sv, wv = example_value(s), example_value(weight)
             if not (isinstance(sv, torch.Tensor) and sv.dtype in DTYPES and rounded.args[1] is sv.dtype
                     and isinstance(wv, torch.Tensor) and wv.dtype == sv.dtype and tuple(wv.shape) == (sv.shape[-1],)
                     and wv.device == sv.device and sv.dim() >= 1):
@@ -106,7 +105,7 @@ def _scatters(n: Node):
     """``(order, [(empty, scatter), ...])`` where ``n`` is read by nothing but scatters
     ``torch.empty_like(n).index_copy_(-1, order, n)`` by one order, else None."""
     pairs, order = [], None
-    nv = _value(n)
+    nv = example_value(n)
     if not isinstance(nv, torch.Tensor):
         return None
     for user in n.users:
@@ -123,7 +122,7 @@ def _scatters(n: Node):
             return None
         order = user.args[2]
         pairs.append((empty, user))
-    ov = _value(order)
+    ov = example_value(order)
     if not (pairs and len(pairs) * 2 == len(n.users) and isinstance(order, Node) and order.op == "placeholder"
             and isinstance(ov, torch.Tensor) and ov.dtype in (torch.int32, torch.int64)
             and tuple(ov.shape) == (nv.shape[-1],) and ov.device == nv.device):
@@ -135,18 +134,12 @@ def _residual_add(s: Node):
     """``(a, b)`` where ``s`` is ``a + b`` of two tensors of its shape and dtype, else None."""
     if not (_is(s, "add", operator.add, torch.add) and len(s.args) == 2 and not s.kwargs):
         return None
-    sv = _value(s)
+    sv = example_value(s)
     for operand in s.args:
-        v = _value(operand)
+        v = example_value(operand)
         if not (isinstance(v, torch.Tensor) and v.shape == sv.shape and v.dtype == sv.dtype and v.device == sv.device):
             return None
     return s.args
-
-
-def _takes_op(nodes, on_cuda_graphs: bool) -> bool:
-    values = [_value(n) for n in nodes]
-    return on_cuda_graphs and all(isinstance(t, torch.Tensor) and t.device.type == "cuda" and not t.requires_grad
-                                  for t in values)
 
 
 def _rewrite(graph, n: Node, on_cuda_graphs: bool, position: dict) -> bool:
@@ -168,14 +161,14 @@ def _rewrite(graph, n: Node, on_cuda_graphs: bool, position: dict) -> bool:
     with graph.inserting_before(first):
         if added is None:
             out = graph.call_function(torch.ops.quantfuse.rms_norm_ordered.default, (s, weight, eps, order))
-            out.meta["example_value"] = _value(pairs[0][1])
+            out.meta["example_value"] = example_value(pairs[0][1])
         else:
             op = graph.call_function(torch.ops.quantfuse.add_rms_norm_ordered.default, (*added, weight, eps, order))
-            op.meta["example_value"] = (_value(pairs[0][1]), _value(s))
+            op.meta["example_value"] = (example_value(pairs[0][1]), example_value(s))
             out = graph.call_function(operator.getitem, (op, 0))
-            out.meta["example_value"] = _value(pairs[0][1])
+            out.meta["example_value"] = example_value(pairs[0][1])
             total = graph.call_function(operator.getitem, (op, 1))
-            total.meta["example_value"] = _value(s)
+            total.meta["example_value"] = example_value(s)
     for empty, scatter in pairs:
         scatter.replace_all_uses_with(out)
         graph.erase_node(scatter)
