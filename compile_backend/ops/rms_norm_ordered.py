@@ -59,26 +59,25 @@ def _check(x, residual, weight, eps, order, op: str) -> None:
              f"{order.device}")
 
 
-def _normalized(s, weight, eps):
+def _on_checked(x, residual, weight, eps, order):
+    """``(out, s)`` of ``add_rms_norm_ordered`` in torch ops (``s = x`` without ``residual``), on checked
+    arguments."""
+    s = x if residual is None else x + residual
     h = s.float()
-    return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(s.dtype)
-
-
-def _ordered(n, order):
-    return torch.empty_like(n).index_copy_(-1, order.long(), n)
+    n = weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(s.dtype)
+    return torch.empty_like(n).index_copy_(-1, order.long(), n), s
 
 
 def reference(x, weight, eps, order):
     """What ``rms_norm_ordered`` does, in torch ops (the module doc)."""
     _check(x, None, weight, eps, order, "rms_norm_ordered")
-    return _ordered(_normalized(x, weight, eps), order)
+    return _on_checked(x, None, weight, eps, order)[0]
 
 
 def add_reference(x, residual, weight, eps, order):
     """What ``add_rms_norm_ordered`` does, in torch ops (the module doc)."""
     _check(x, residual, weight, eps, order, "add_rms_norm_ordered")
-    s = x + residual
-    return _ordered(_normalized(s, weight, eps), order), s
+    return _on_checked(x, residual, weight, eps, order)
 
 
 def kernel_refusal(x, residual, weight, order) -> str | None:
@@ -94,29 +93,27 @@ def kernel_refusal(x, residual, weight, order) -> str | None:
     return None
 
 
-def _cuda(x, weight, eps, order):
-    _check(x, None, weight, eps, order, "rms_norm_ordered")
-    reason = kernel_refusal(x, None, weight, order)
-    if reason is not None:
-        log.debug("quantfuse.rms_norm_ordered: reference runs: %s", reason)
-        return _ordered(_normalized(x, weight, eps), order)
-    from .rms_norm_ordered_triton import rms_norm_ordered_triton
-
-    with torch.cuda.device(x.device):
-        return rms_norm_ordered_triton(x, None, weight, eps, order)[0]
-
-
-def _add_cuda(x, residual, weight, eps, order):
-    _check(x, residual, weight, eps, order, "add_rms_norm_ordered")
+def _kernel_on_checked(x, residual, weight, eps, order, op: str):
+    """``(out, s)`` by the Triton kernel (``s`` None without ``residual``), or by the reference where the
+    kernel cannot take the arguments."""
     reason = kernel_refusal(x, residual, weight, order)
     if reason is not None:
-        log.debug("quantfuse.add_rms_norm_ordered: reference runs: %s", reason)
-        s = x + residual
-        return _ordered(_normalized(s, weight, eps), order), s
+        log.debug("quantfuse.%s: reference runs: %s", op, reason)
+        return _on_checked(x, residual, weight, eps, order)
     from .rms_norm_ordered_triton import rms_norm_ordered_triton
 
     with torch.cuda.device(x.device):
         return rms_norm_ordered_triton(x, residual, weight, eps, order)
+
+
+def _cuda(x, weight, eps, order):
+    _check(x, None, weight, eps, order, "rms_norm_ordered")
+    return _kernel_on_checked(x, None, weight, eps, order, "rms_norm_ordered")[0]
+
+
+def _add_cuda(x, residual, weight, eps, order):
+    _check(x, residual, weight, eps, order, "add_rms_norm_ordered")
+    return _kernel_on_checked(x, residual, weight, eps, order, "add_rms_norm_ordered")
 
 
 def _fake(x, weight, eps, order):
