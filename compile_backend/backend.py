@@ -47,6 +47,8 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 log = logging.getLogger("quantfuse")
 
 OUR_OPTIONS = ("passes", "families", "horizontal", "gqa_decode", "rms_norm_ordered", "fallback")
+# Every option but "families" is a switch, on unless turned off.
+_SWITCHES = tuple(o for o in OUR_OPTIONS if o != "families")
 # torch._dynamo.utils.counters[COUNTERS]: "fallback_inductor" (compiled without our passes) and
 # "fallback_eager" (ran in eager), one per failed compile, next to Dynamo's own counters;
 # "gqa_decode": one-token attentions rewritten by passes/gqa_decode.py; "rms_norm_ordered": act-order input
@@ -107,7 +109,7 @@ def install_passes(config_patches: dict, passes: dict) -> dict:
 
 def _our_option(key: str, value):
     """``value`` of one of OUR_OPTIONS, checked (``families`` normalised to a tuple)."""
-    if key in ("passes", "horizontal", "gqa_decode", "rms_norm_ordered", "fallback"):
+    if key in _SWITCHES:
         if not isinstance(value, bool):
             raise ValueError(f"quantfuse: option {key!r} is {value!r}; expected True or False")
         return value
@@ -153,8 +155,7 @@ def _split_options(options: dict | None, mode: str | None) -> tuple[dict, dict]:
     """(our options, Inductor config patches); raises ValueError naming an unknown or
     mistyped option, before anything is compiled (a typo must not look like a failed
     compile and run the model without fusion)."""
-    ours: dict[str, Any] = {"passes": True, "horizontal": True, "gqa_decode": True, "rms_norm_ordered": True,
-                            "fallback": True}
+    ours: dict[str, Any] = dict.fromkeys(_SWITCHES, True)
     inductor: dict[str, Any] = {}
     if mode and mode != "default":
         from torch._inductor import list_mode_options
