@@ -23,7 +23,6 @@ the launches otherwise (benchmarks/RESULTS.md).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -34,7 +33,7 @@ import compile_backend  # noqa: F401  (registers the op)
 from compile_backend.ops.gqa_decode import gqa_decode, reference
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import graph_us  # noqa: E402
+from timing import graph_us, write_rows  # noqa: E402
 
 LAYERS = 32
 
@@ -71,9 +70,7 @@ def main():
             rows.append(row)
             print(f"| {b} | {length} | {row['ours_us']:.1f} | {row['sdpa_kv_heads_us']:.1f} | {row['repeated_us']:.1f} "
                   f"| {row['sdpa_kv_heads_us'] / row['ours_us']:.2f}× | {err:.1e} |", flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "results_gqa_decode.json"), "w") as f:
-        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
+    write_rows(args.out, "results_gqa_decode.json", rows)
 
 
 def make_layers(b: int, length: int, dev="cuda", dtype=torch.float16, hkv=8, n=4, d=128):
@@ -143,9 +140,7 @@ def sweep(args) -> None:
             rows.append(row)
             print(f"B={b} L={length}: the op's launch {times[op_launch]:.1f} µs, best {times[best]:.1f} µs with {best}",
                   flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "results_gqa_decode_sweep.json"), "w") as f:
-        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
+    write_rows(args.out, "results_gqa_decode_sweep.json", rows)
 
 if __name__ == "__main__":
     main()

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import sys
 
@@ -26,7 +25,7 @@ import torch
 import compile_backend  # noqa: F401  (registers the op)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import graph_us  # noqa: E402
+from timing import graph_us, write_rows  # noqa: E402
 
 CALLS = 64
 K = 4096
@@ -73,9 +72,7 @@ def main():
         rows.append(row)
         print(f"| {b} | {row['ours_us']:.2f} | {row['inductor_us']:.2f} | {row['inductor_unordered_us']:.2f} "
               f"| {err:.1e} |", flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "results_rms_norm_ordered.json"), "w") as f:
-        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
+    write_rows(args.out, "results_rms_norm_ordered.json", rows)
 
 
 def sweep(args) -> None:
@@ -100,9 +97,7 @@ def sweep(args) -> None:
                          all={str(k): t for k, t in times.items()}))
         print(f"B={b}: the op's launch {op_launch} {times[op_launch]:.2f} µs, best {best} {times[best]:.2f} µs",
               flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "results_rms_norm_ordered_sweep.json"), "w") as f:
-        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
+    write_rows(args.out, "results_rms_norm_ordered_sweep.json", rows)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,9 @@ Two ways to keep a call from reading its weight out of the 50 MB L2:
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import statistics
 
 import torch
@@ -136,6 +138,13 @@ def graph_us(fn, arg_sets, reps: int = 60) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) * 1000 / len(arg_sets))
     return statistics.median(times[10:])
+
+
+def write_rows(out_dir: str, name: str, rows: list) -> None:
+    """``rows`` with the GPU and the torch version as ``out_dir/name`` (JSON)."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, name), "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
 
 
 def copy_bandwidth() -> float:
