@@ -33,9 +33,9 @@ class Launch:
     num_stages: int = 2
 
 
-# In a 32-layer decode step on an H200 this launch's split kernel (with the rotary and the cache writes)
-# took 5.1 µs per layer at batch 1 and 13.7 at batch 8, where one program per SM stepping 128 positions in
-# three stages, the sweep's best for the attention alone, took 6.9 and 16.0 (benchmarks/RESULTS.md).
+# In a decode step (the rotary variant, each layer's cache cold behind the weights' stream) this launch
+# beats fewer, longer programs that are faster on the attention alone with its caches in L2: on an H200,
+# 5.1 against 6.9 µs per layer at batch 1, 13.7 against 16.0 at batch 8 (benchmarks/RESULTS.md).
 LAUNCH = Launch()
 LOG2E = tl.constexpr(1.4426950408889634)  # scores are kept in base 2: exp(x) = exp2(x * log2(e))
 
