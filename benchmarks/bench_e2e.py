@@ -343,6 +343,9 @@ def dynamo_counts() -> dict:
 
     return dict(graphs=int(counters["stats"]["unique_graphs"]), graph_breaks=int(sum(counters["graph_break"].values())),
                 gqa_decode=int(counters["quantfuse"]["gqa_decode"]),  # attentions passes/gqa_decode.py rewrote
+                gqa_decode_rope=int(counters["quantfuse"]["gqa_decode_rope"]),  # of them, with rotary + cache writes
+                gqa_decode_out_order=int(counters["quantfuse"]["gqa_decode_out_order"]),  # storing o_proj's order
+                gqa_decode_rope_counter=int(counters["quantfuse"]["gqa_decode_rope_counter"]),  # advancing the cache's
                 cudagraph_skips=int(counters["inductor"]["cudagraph_skips"]))  # graphs Inductor ran without
 
 
@@ -624,7 +627,11 @@ def _loop_decode(model, step_fn, ck, B, cfg, args, r, timer, accuracy: bool):
         r["fusion"] = fc.summary()
         log(f"  first call (compile) {t_first:.1f} s; fused {r['fusion']['fused']}, "
             f"unfused {r['fusion']['unfused']}, graphs {r['fusion']['graphs']}, "
-            f"attentions without repeated keys/values {r['fusion']['gqa_decode']}"
+            f"attentions without repeated keys/values {r['fusion']['gqa_decode']} "
+            f"({r['fusion']['gqa_decode_rope']} with the rotary and the cache writes, "
+            f"{r['fusion'].get('gqa_decode_rope_counter', 0)} advancing the cache's position counter"
+            + (f", {r['fusion']['gqa_decode_out_order']} storing an act-order o_proj's input order"
+               if r["fusion"].get("gqa_decode_out_order") else "") + ")"
             + (f"; CUDA graphs skipped for {r['fusion']['cudagraph_skips']} graph(s)"
                if r["fusion"]["cudagraph_skips"] else ""))
         for i in range(k):

@@ -25,7 +25,10 @@ Two ways to keep a call from reading its weight out of the 50 MB L2:
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import statistics
 
 import torch
 
@@ -110,6 +113,38 @@ def rotating(calls, reps: int = 60) -> float:
     us = _median_replay_us(graph, reps)
     del graph
     return us / (len(calls) * repeat)
+
+
+def graph_us(fn, arg_sets, reps: int = 60) -> float:
+    """Median µs of one call of ``fn`` over a CUDA graph of one call per argument tuple in ``arg_sets``
+    (as a decode step calls a kernel once per layer, each on its own tensors), timed by events around
+    each replay, the first 10 replays dropped."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for args in arg_sets[:3]:
+            fn(*args)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for args in arg_sets:
+            fn(*args)
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / len(arg_sets))
+    return statistics.median(times[10:])
+
+
+def write_rows(out_dir: str, name: str, rows: list) -> None:
+    """``rows`` with the GPU and the torch version as ``out_dir/name`` (JSON)."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, name), "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
 
 
 def copy_bandwidth() -> float:

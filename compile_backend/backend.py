@@ -54,10 +54,13 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 log = logging.getLogger("quantfuse")
 
-OUR_OPTIONS = ("passes", "families", "horizontal", "gqa_decode", "fallback", "pdl")
+OUR_OPTIONS = ("passes", "families", "horizontal", "gqa_decode", "rms_norm_ordered", "fallback", "pdl")
+# Every option but "families" is a switch, on unless turned off.
+_SWITCHES = tuple(o for o in OUR_OPTIONS if o != "families")
 # torch._dynamo.utils.counters[COUNTERS]: "fallback_inductor" (compiled without our passes) and
 # "fallback_eager" (ran in eager), one per failed compile, next to Dynamo's own counters;
-# "gqa_decode": one-token attentions rewritten by passes/gqa_decode.py.
+# "gqa_decode": one-token attentions rewritten by passes/gqa_decode.py; "rms_norm_ordered": act-order input
+# orders stored by their RMSNorm (passes/rms_norm_ordered.py).
 COUNTERS = "quantfuse"
 
 
@@ -114,7 +117,7 @@ def install_passes(config_patches: dict, passes: dict) -> dict:
 
 def _our_option(key: str, value):
     """``value`` of one of OUR_OPTIONS, checked (``families`` normalised to a tuple)."""
-    if key in ("passes", "horizontal", "gqa_decode", "fallback", "pdl"):
+    if key in _SWITCHES:
         if not isinstance(value, bool):
             raise ValueError(f"quantfuse: option {key!r} is {value!r}; expected True or False")
         return value
@@ -160,7 +163,7 @@ def _split_options(options: dict | None, mode: str | None) -> tuple[dict, dict]:
     """(our options, Inductor config patches); raises ValueError naming an unknown or
     mistyped option, before anything is compiled (a typo must not look like a failed
     compile and run the model without fusion)."""
-    ours: dict[str, Any] = {"passes": True, "horizontal": True, "gqa_decode": True, "fallback": True, "pdl": True}
+    ours: dict[str, Any] = dict.fromkeys(_SWITCHES, True)
     inductor: dict[str, Any] = {}
     if mode and mode != "default":
         from torch._inductor import list_mode_options
@@ -250,6 +253,10 @@ def _compile(gm: torch.fx.GraphModule, example_inputs, ours: dict, inductor_patc
             rewritten = pack_gqa_decode(gm, on_cuda_graphs=uses_cuda_graphs(patches))
             if rewritten:
                 counters[COUNTERS]["gqa_decode"] += rewritten
+        if ours["rms_norm_ordered"]:
+            from compile_backend.passes.rms_norm_ordered import fuse_rms_norm_ordered
+
+            fuse_rms_norm_ordered(gm, on_cuda_graphs=uses_cuda_graphs(patches))
         compiled = compile_fx(gm, example_inputs, config_patches=patches)
         return guard_derived_reads(compiled) if uses_cuda_graphs(patches) else compiled
     except Exception as exc:

@@ -36,6 +36,32 @@ instead one call of ``quantfuse::gqa_decode`` on the unrepeated keys and values
 (compile_backend/ops/gqa_decode.py: Triton flash decoding, about 1.3x cuDNN's attention on this form).
 The op is a Python call per launch, which only a CUDA graph's replay skips, and has no
 derivative: elsewhere the ``scaled_dot_product_attention`` form above.
+
+Where the op runs, the static cache's writes and the rotary embedding before them go into it too
+when the graph is transformers' decode step (Llama's ``apply_rotary_pos_emb`` and
+``StaticCache.update``)::
+
+    q_r = q * cos + rotate_half(q) * sin;  k_r = k * cos + rotate_half(k) * sin     # same cos, sin
+    k_cache.index_copy_(2, position, k_r);  v_cache.index_copy_(2, position, v)
+    ... the attention above over k_cache and v_cache with q_r
+
+becomes ``quantfuse::gqa_decode_rope(q, k, v, k_cache, v_cache, position, cos, sin, mask, scale)``
+(compile_backend/ops/gqa_decode.py: one launch instead of the rotary's and the writes' few
+launch-bound kernels per layer).  Only where each cache is read by nothing but its one write and the
+attention, the rotated query and key by nothing but the attention and the write, ``cos``/``sin``
+are ``[B or 1, 1, 1, D]`` and ``position`` one integer; else the attention alone becomes the op.
+``counters["quantfuse"]["gqa_decode_rope"]`` counts these.  Where the position is the static cache's own
+per-layer ``torch.arange(1) + counter`` followed by ``counter.add_(1)`` (transformers 5), the attention
+becomes ``quantfuse::gqa_decode_rope_advance``, which reads the counter as its position and advances it,
+and both nodes go (each was a launch per layer); only where the counter is a graph input that nothing
+reads after its increment (``counters["quantfuse"]["gqa_decode_rope_counter"]``).
+
+Where the op's result goes, through views only, to an act-order layer that puts its input in its order
+(``AWQLinear``'s ``torch.empty_like(x).index_copy_(-1, perm_inverse, x)`` before ``o_proj``), the op
+stores its values in that order itself (its ``out_order``) and the scatter is removed: the reshapes
+between are checked by what they compute (each batch row of the result, heads then head dimensions,
+is the last dimension of ``x``), nothing else reads the values in between, and the order is a graph
+input (a module's buffer).  ``counters["quantfuse"]["gqa_decode_out_order"]`` counts these.
 """
 
 from __future__ import annotations
@@ -45,8 +71,12 @@ import math
 import operator
 
 import torch
+from torch._dynamo.utils import counters
 from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from .dynamo_graph import example_value
+from .dynamo_graph import takes_op as _takes_op  # a name of its own here: CPU tests replace it
 
 log = logging.getLogger("quantfuse.gqa_decode")
 
@@ -56,7 +86,7 @@ _HEAD_SLOT = (_ALL, _ALL, None, _ALL, _ALL)  # x[:, :, None, :, :]
 
 
 def _shape(node) -> tuple | None:
-    value = node.meta.get("example_value") if isinstance(node, Node) else None
+    value = example_value(node)
     return tuple(value.shape) if isinstance(value, torch.Tensor) else None
 
 
@@ -98,13 +128,165 @@ def _op_scale(sdpa: Node, q_shape: tuple) -> float | None:
     return float(scale) if isinstance(scale, (int, float)) else None
 
 
-def _takes_op(nodes, on_cuda_graphs: bool) -> bool:
-    """Whether the attention of these traced values runs as ``quantfuse::gqa_decode``: on CUDA,
-    under CUDA graphs (the op is a Python call per launch, which a replay skips), and without a
-    gradient to compute (the op has no derivative)."""
-    values = [n.meta.get("example_value") for n in nodes if isinstance(n, Node)]
-    return on_cuda_graphs and all(isinstance(t, torch.Tensor) and t.device.type == "cuda" and not t.requires_grad
-                                  for t in values)
+def _call(node, *targets) -> bool:
+    return isinstance(node, Node) and node.op == "call_function" and node.target in targets
+
+
+def _binary(node, targets) -> tuple | None:
+    """The two operands of ``node`` where it is one of ``targets`` applied to exactly two, else None."""
+    if _call(node, *targets) and len(node.args) == 2 and not node.kwargs:
+        return node.args
+    return None
+
+
+def _half(node, x: Node, upper: bool) -> bool:
+    """Whether ``node`` is ``x[..., D/2:]`` (``upper``) or ``x[..., :D/2]``."""
+    if not (_call(node, operator.getitem) and node.args[0] is x):
+        return False
+    index, d = node.args[1], _shape(x)[-1]
+    if not (isinstance(index, tuple) and len(index) == 2 and index[0] is Ellipsis and isinstance(index[1], slice)
+            and isinstance(d, int) and d % 2 == 0):
+        return False
+    part = index[1]
+    return part.step in (None, 1) and ((part.start, part.stop) == ((d // 2, None) if upper else (None, d // 2)))
+
+
+def _rotate_half_of(node) -> Node | None:
+    """``x`` where ``node`` is transformers' ``rotate_half(x)``: ``cat((-x[..., D/2:], x[..., :D/2]), -1)``."""
+    if not _call(node, torch.cat):
+        return None
+    parts = node.args[0]
+    dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
+    if not (isinstance(parts, (tuple, list)) and len(parts) == 2 and dim in (-1, 3)):
+        return None
+    neg, lower = parts
+    if not (_call(neg, operator.neg) and isinstance(neg.args[0], Node) and _call(neg.args[0], operator.getitem)):
+        return None
+    x = neg.args[0].args[0]
+    shape = _shape(x)
+    if shape is None or len(shape) != 4:
+        return None
+    return x if _half(neg.args[0], x, True) and _half(lower, x, False) else None
+
+
+def _rope_of(node) -> tuple[Node, Node, Node] | None:
+    """``(x, cos, sin)`` where ``node`` is ``x * cos + rotate_half(x) * sin`` (either operand order)."""
+    terms = _binary(node, (operator.add, torch.add))
+    if terms is None:
+        return None
+    for plain, rotated in (terms, terms[::-1]):
+        first, second = _binary(plain, (operator.mul, torch.mul)), _binary(rotated, (operator.mul, torch.mul))
+        if first is None or second is None:
+            continue
+        for x, cos in (first, first[::-1]):
+            for half, sin in (second, second[::-1]):
+                if all(isinstance(t, Node) for t in (x, cos, sin)) and _rotate_half_of(half) is x:
+                    return x, cos, sin
+    return None
+
+
+def _cache_write(cache: Node) -> tuple[Node, Node, Node] | None:
+    """``(the write, position, value written)`` where ``cache`` is written once by
+    ``cache.index_copy_(2, position, value)`` and read by nothing else but the attention's repeat."""
+    writes = [u for u in cache.users if u.op == "call_method" and u.target == "index_copy_"]
+    if len(writes) != 1 or len(cache.users) != 2:
+        return None
+    write = writes[0]
+    if write.users or write.kwargs or len(write.args) != 4:  # transformers passes (dim, index, source)
+        return None
+    _, dim, position, value = write.args
+    if dim not in (2, -2) or not (isinstance(position, Node) and isinstance(value, Node)):
+        return None
+    return write, position, value
+
+
+def _counter_of(graph, position: Node, writes: set[Node]) -> tuple[Node, Node, Node] | None:
+    """``(counter, arange, increment)`` where ``position`` is transformers' per-layer static-cache position
+    ``torch.arange(1) + counter`` read by ``writes`` alone, followed by ``counter.add_(1)``, a graph input
+    that nothing reads after that increment (every other read comes before it)."""
+    if not (_call(position, operator.add, torch.add) and len(position.args) == 2 and not position.kwargs
+            and set(position.users) == writes):
+        return None
+
+    def arange_one(n) -> bool:
+        v = example_value(n)
+        return (_call(n, torch.arange) and n.args in ((1,), (0, 1)) and set(n.users) == {position}
+                and isinstance(v, torch.Tensor) and v.shape == (1,))
+
+    a, b = position.args
+    arange, counter = (a, b) if arange_one(a) else (b, a) if arange_one(b) else (None, None)
+    cv = example_value(counter)
+    if not (isinstance(counter, Node) and counter.op == "placeholder" and isinstance(cv, torch.Tensor)
+            and cv.numel() == 1 and cv.dtype in (torch.int32, torch.int64)):
+        return None
+    increments = [u for u in counter.users if u.op == "call_method" and u.target == "add_"]
+    if len(increments) != 1:
+        return None
+    increment = increments[0]
+    if increment.users or increment.kwargs or increment.args != (counter, 1):
+        return None
+    where = {n: i for i, n in enumerate(graph.nodes)}
+    if any(where[u] > where[increment] for u in counter.users if u is not increment):
+        return None
+    return counter, arange, increment
+
+
+def _fuse_rope(graph, sdpa: Node, q: Node, k_cache: Node, v_cache: Node, mask, scale: float) -> bool:
+    """The attention, the rotary embedding of ``q`` and of the key written to ``k_cache``, and both
+    caches' writes as one ``quantfuse::gqa_decode_rope`` (the module doc); False where the graph is
+    not that form (nothing changed)."""
+    kw, vw = _cache_write(k_cache), _cache_write(v_cache)
+    if kw is None or vw is None or kw[1] is not vw[1]:
+        return False
+    position = kw[1]
+    rq, rk = _rope_of(q), _rope_of(kw[2])
+    if rq is None or rk is None or rq[1] is not rk[1] or rq[2] is not rk[2]:
+        return False
+    (q_raw, cos, sin), k_raw, v_new = rq, rk[0], vw[2]
+    qs, ks, vs, cs, ss = (_shape(n) for n in (q_raw, k_raw, v_new, cos, sin))
+    pv = position.meta.get("example_value")
+    if not (isinstance(pv, torch.Tensor) and pv.dtype in (torch.int32, torch.int64) and pv.numel() == 1):
+        return False
+    hkv, d = _shape(k_cache)[1], qs[3]
+    if not (_same(ks, (qs[0], hkv, 1, d)) and _same(vs, ks) and len(cs) == 4 and _same(cs[1:], (1, 1, d))
+            and (_same(cs[:1], (1,)) or _same(cs[:1], qs[:1])) and _same(ss, cs)):
+        return False
+    if set(q.users) != {sdpa} or set(kw[2].users) != {kw[0]}:
+        return False
+    # The op's own checks, where the traced values show them: one device (the op runs there), the new
+    # key and value in the caches' dtype, floating cos and sin.
+    values = [n.meta.get("example_value") for n in (q_raw, k_raw, v_new, k_cache, position, cos, sin)]
+    if not (_takes_op((q_raw, k_raw, v_new, position, cos, sin), True)
+            and len({t.device for t in values}) == 1 and len({t.dtype for t in values[:4]}) == 1
+            and values[5].dtype.is_floating_point and values[6].dtype.is_floating_point):
+        return False
+    counter = _counter_of(graph, position, {kw[0], vw[0]})
+    # With the cache's counter: the op that reads it as the position and advances it.
+    op = torch.ops.quantfuse.gqa_decode_rope if counter is None else torch.ops.quantfuse.gqa_decode_rope_advance
+    with graph.inserting_before(sdpa):
+        out = graph.call_function(op.default, (q_raw, k_raw, v_new, k_cache, v_cache,
+                                               position if counter is None else counter[0], cos, sin, mask, scale))
+    _replace(graph, sdpa, out, *sdpa.args[1:3])
+    for write in (kw[0], vw[0]):
+        graph.erase_node(write)
+    if counter is not None:
+        for node in (counter[2], position, counter[1]):  # the increment, the position's sum, its arange
+            graph.erase_node(node)
+        counters["quantfuse"]["gqa_decode_rope_counter"] += 1
+    for rotated in (q, kw[2]):  # the rotary's nodes, now unused
+        _erase_unused(graph, rotated)
+    return True
+
+
+def _erase_unused(graph, node: Node) -> None:
+    """``node`` and then its inputs, each once nothing reads it (only pure nodes of the rotary)."""
+    if node.users or node.op != "call_function":
+        return
+    inputs = [a for a in node.all_input_nodes]
+    graph.erase_node(node)
+    for a in dict.fromkeys(inputs):
+        if _call(a, operator.add, torch.add, operator.mul, torch.mul, operator.neg, operator.getitem, torch.cat):
+            _erase_unused(graph, a)
 
 
 def _rewrite(graph, sdpa: Node, on_cuda_graphs: bool) -> bool:
@@ -130,6 +312,9 @@ def _rewrite(graph, sdpa: Node, on_cuda_graphs: bool) -> bool:
 
     scale = _op_scale(sdpa, qs)
     if scale is not None and _takes_op((q, rk[0], rv[0], mask), on_cuda_graphs):
+        if _fuse_rope(graph, sdpa, q, rk[0], rv[0], mask, scale):
+            counters["quantfuse"]["gqa_decode_rope"] += 1
+            return True
         with graph.inserting_before(sdpa):
             out = graph.call_function(torch.ops.quantfuse.gqa_decode.default, (q, rk[0], rv[0], mask, scale))
         _replace(graph, sdpa, out, k, v)
@@ -173,6 +358,89 @@ def _replace(graph, sdpa: Node, out: Node, k: Node, v: Node) -> None:
             graph.erase_node(node)
 
 
+# What may stand between the op and the scatter: views and copies that keep every value (``to`` only
+# changes the dtype); which element goes where is then checked on a probe (``_same_rows``).
+_ORDER_METHODS = ("reshape", "view", "transpose", "contiguous", "flatten", "to")
+_ORDER_FUNCTIONS = (torch.reshape, torch.transpose, torch.flatten)
+OPS = (torch.ops.quantfuse.gqa_decode.default, torch.ops.quantfuse.gqa_decode_rope.default,
+       torch.ops.quantfuse.gqa_decode_rope_advance.default)
+
+
+def _keeps_values(node: Node, x: Node) -> bool:
+    """``node`` is one of the views above applied to ``x``, with every other argument a constant."""
+    if not ((node.op == "call_method" and node.target in _ORDER_METHODS)
+            or (node.op == "call_function" and node.target in _ORDER_FUNCTIONS)):
+        return False
+    if not node.args or node.args[0] is not x:
+        return False
+    if node.target == "to":  # a dtype change only
+        return len(node.args) == 2 and isinstance(node.args[1], torch.dtype) and not node.kwargs
+    return not node.kwargs and node.all_input_nodes == [x]
+
+
+def _same_rows(chain: list[Node], shape: tuple[int, ...]) -> bool:
+    """Whether the views of ``chain`` take the op's ``[B, H, 1, D]`` result to a tensor whose last
+    dimension is each batch row's ``H*D`` values in the op's order (run on an index probe)."""
+    B = shape[0]
+    probe = torch.arange(math.prod(shape), dtype=torch.float64).reshape(shape)
+    t = probe
+    try:
+        for node in chain:
+            if node.target == "to":
+                continue
+            args = node.args[1:]
+            t = getattr(t, node.target)(*args) if node.op == "call_method" else node.target(t, *args)
+    except Exception:  # a view these shapes do not allow: not the form
+        return False
+    row = math.prod(shape[1:])
+    return t.dim() >= 1 and t.shape[-1] == row and torch.equal(t.reshape(-1, row), probe.reshape(B, row))
+
+
+def _output_scatter(op: Node) -> tuple[Node, Node, Node, Node] | None:
+    """``(x, empty, scatter, order)`` where ``op``'s result reaches ``x`` through views read by nothing
+    else and ``x`` is put in ``order`` by ``torch.empty_like(x).index_copy_(-1, order, x)`` alone."""
+    shape = _shape(op.args[0])  # q: the result's [B, H, 1, D]
+    if shape is None or not all(isinstance(d, int) for d in shape):
+        return None
+    node, chain = op, []
+    while True:
+        users = list(node.users)
+        copies = [u for u in users if u.op == "call_method" and u.target == "index_copy_" and len(u.args) == 4
+                  and u.args[3] is node and not u.kwargs]
+        if copies:
+            break
+        if len(users) != 1 or not _keeps_values(users[0], node):
+            return None
+        node = users[0]
+        chain.append(node)
+    x, scatter = node, copies[0]
+    empty, dim, order = scatter.args[:3]
+    xv, ov = x.meta.get("example_value"), getattr(order, "meta", {}).get("example_value")
+    if not (isinstance(empty, Node) and empty.op == "call_function" and empty.target is torch.empty_like
+            and empty.args == (x,) and not empty.kwargs and set(empty.users) == {scatter}
+            and set(x.users) == {empty, scatter} and isinstance(xv, torch.Tensor)
+            and dim in (-1, xv.dim() - 1)):
+        return None
+    if not (isinstance(order, Node) and order.op in ("placeholder", "get_attr") and isinstance(ov, torch.Tensor)
+            and ov.dim() == 1 and ov.dtype in (torch.int32, torch.int64) and ov.shape[0] == math.prod(shape[1:])
+            and ov.device == xv.device):
+        return None
+    return (x, empty, scatter, order) if _same_rows(chain, shape) else None
+
+
+def _fold_output_order(graph, op: Node) -> bool:
+    """Moves an act-order layer's input order after ``op`` into ``op`` (the module doc)."""
+    found = _output_scatter(op)
+    if found is None:
+        return False
+    x, empty, scatter, order = found
+    op.kwargs = {**op.kwargs, "out_order": order}
+    scatter.replace_all_uses_with(x)
+    graph.erase_node(scatter)
+    graph.erase_node(empty)
+    return True
+
+
 def pack_gqa_decode(gm: GraphModule, on_cuda_graphs: bool = False) -> int:
     """Rewrites each one-token attention over repeated keys and values in ``gm`` (see the module
     doc); returns how many.  The repeats it leaves unused are removed.  ``on_cuda_graphs``: the
@@ -180,6 +448,11 @@ def pack_gqa_decode(gm: GraphModule, on_cuda_graphs: bool = False) -> int:
     graph = gm.graph
     rewritten = sum(_rewrite(graph, node, on_cuda_graphs) for node in list(graph.nodes)
                     if node.op == "call_function" and node.target in SDPA)
+    ordered = sum(_fold_output_order(graph, node) for node in list(graph.nodes)
+                  if node.op == "call_function" and node.target in OPS)
+    if ordered:
+        counters["quantfuse"]["gqa_decode_out_order"] += ordered
+        log.info("quantfuse: %d act-order input order(s) stored by the decode attention", ordered)
     if rewritten:
         graph.lint()
         gm.recompile()

@@ -108,12 +108,13 @@ def assert_pdl_on_off_equal(run, src: torch.Tensor, refresh) -> None:
     """``run(a, pdl)`` (a decode kernel's private op) launched with programmatic dependent launch
     (``pdl=1``; where the GPU has it) and without (``pdl=0``) gives the same bits: eagerly, and in a
     CUDA graph where the kernel just before writes its activation ``a`` (it must wait for it) and one
-    after reads its output, over three replays with ``src`` refreshed by ``refresh()``.  With PDL, also
-    without the weights' L2 prefetch (``QUANTFUSE_PDL_PREFETCH=0``)."""
+    after reads its output, over three replays with ``src`` refreshed by ``refresh()``.  With PDL, each of
+    what a kernel may do before it waits (``QUANTFUSE_PDL_PREFETCH``: its first weights into registers,
+    its weights into L2, nothing)."""
     import os
 
     assert torch.equal(run(src, 1), run(src, 0)), "pdl on and off differ"
-    for pdl, prefetch in ((0, "1"), (1, "1"), (1, "0")):
+    for pdl, prefetch in ((0, "regs"), (1, "regs"), (1, "l2"), (1, "0")):
         previous = os.environ.get("QUANTFUSE_PDL_PREFETCH")
         os.environ["QUANTFUSE_PDL_PREFETCH"] = prefetch
         try:

@@ -252,21 +252,30 @@ def test_gptq_act_order_shares_perm(tmp_path):
 
 
 @pytest.mark.compile
-def test_gptq_fused_generate(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_gptq_fused_generate(tmp_path, device, request):
     """One compile: layer 0 in order (``g_idx = k // G`` under ``desc_act``, as ``static_groups`` writes),
     layer 1 act-order.  Every linear fused into ``awq_gemm`` (layer 1's activation gathers folded into
-    its ``perm``), q/k/v and gate/up merged in both layers, ``generate`` tokens equal to eager's."""
+    its ``perm``), q/k/v and gate/up merged in both layers, ``generate`` tokens equal to eager's.  On a GPU
+    the model is loaded on the CPU and moved (the layers' inverse orders follow), and decodes with CUDA
+    graphs from the first call, layer 1's attention storing its result in ``o_proj``'s order and its RMSNorms
+    theirs in q/k/v's and gate/up's (``rms_norm_ordered``)."""
+    if device == "cuda":
+        request.getfixturevalue("cuda_kernels")
+    from torch._dynamo.utils import counters
+
     folder, layers = write_gptq(str(tmp_path / "mixed"), fmt="gptq", sym=False, group=32, desc_act=True,
                                 in_order_layers=(0,))
-    model = from_pretrained(folder)
+    model = from_pretrained(folder).to(device)
     assert model.model.layers[0].self_attn.q_proj.perm is None
     assert model.model.layers[1].self_attn.q_proj.perm is not None
+    assert model.model.layers[1].self_attn.o_proj.perm_inverse.device.type == device
     model.generation_config.do_sample = False
     model.generation_config.eos_token_id = None
-    ids = prompt(model.config.vocab_size, "cpu")
+    ids = prompt(model.config.vocab_size, device)
     ref_tokens, ref_logits = eager_generate(model, ids)
 
-    config = transformers.CompileConfig(backend="quantfuse", mode="default")
+    config = transformers.CompileConfig(backend="quantfuse", mode="default" if device == "cpu" else "reduce-overhead")
     config._compile_all_devices = True  # transformers compiles on accelerators only unless told
 
     def merged_awq(report, graphs):
@@ -275,6 +284,10 @@ def test_gptq_fused_generate(tmp_path):
 
     ((tokens, logits),) = compiled_generate(model, ids, config, LINEARS, "GPTQ act-order", check=merged_awq)
     assert_tokens_match(tokens, logits, ref_tokens, ref_logits, what="GPTQ act-order")
+    if device == "cuda":
+        assert counters["quantfuse"]["gqa_decode_out_order"] >= 1, dict(counters["quantfuse"])  # of its compile
+        # Layer 1's two RMSNorms (each after a residual add) store q/k/v's and gate/up's input in their order.
+        assert counters["quantfuse"]["rms_norm_ordered"] >= 2, dict(counters["quantfuse"])
 
 
 # --------------------------------------------------------------------------- 8-bit per-channel: W8A16Linear

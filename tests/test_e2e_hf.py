@@ -247,6 +247,17 @@ def generate_with_cuda_graphs(scheme, device="cuda", mode="reduce-overhead", arc
     config._compile_all_devices = device != "cuda"
     what = f"{arch} {scheme}"
     first, second = compiled_generate(model, ids, config, quantized_linears(model), what, calls=2)
+    if device == "cuda" and mode == "reduce-overhead":
+        from torch._dynamo.utils import counters
+
+        # Every decode attention takes the rotary and the cache writes, but Phi3's (a partial rotary).
+        # and with them the static cache's own position counter where it keeps one (transformers 5: the op
+        # reads and advances it).
+        rope, counted = counters["quantfuse"]["gqa_decode_rope"], counters["quantfuse"]["gqa_decode_rope_counter"]
+        assert (rope >= model.config.num_hidden_layers) if arch != "Phi3" else rope == 0, (what, rope)
+        layer = transformers.StaticCache(config=model.config, max_cache_len=8).layers[0]
+        assert counted == (rope if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor) else 0), (
+            what, rope, counted)
     assert_tokens_match(*first, *ref, what=f"{what}, first call", rtol=rtol_for(scheme))
     assert_tokens_match(*second, *ref, what=f"{what}, second call", rtol=rtol_for(scheme))
 

@@ -277,29 +277,6 @@ def test_gpu_kernel_matches_float64(dtype, b, hkv, n, length, d, mask_kind):
 
 
 @gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_gpu_pdl_on_and_off_equal(monkeypatch, dtype):
-    """The kernels with programmatic dependent launch (sm_90+) and with ``QUANTFUSE_PDL=0``: the same bits,
-    eagerly and in a CUDA graph where the kernel just before writes the query."""
-    g = torch.Generator(device="cuda").manual_seed(9)
-    q = torch.randn(2, 32, 1, 128, device="cuda", dtype=dtype, generator=g)
-    k, v = (torch.randn(2, 8, 700, 128, device="cuda", dtype=dtype, generator=g) for _ in range(2))
-    outs = {}
-    for env in ("1", "0"):
-        monkeypatch.setenv("QUANTFUSE_PDL", env)
-        outs[env] = gqa_decode(q, k, v, None, 0.1)
-        src = q.clone()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            in_graph = gqa_decode(src * 1, k, v, None, 0.1)
-        src.copy_(q)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(in_graph, outs[env]), f"QUANTFUSE_PDL={env}: the graph's result differs"
-    assert torch.equal(outs["1"], outs["0"])
-
-
-@gpu
 def test_gpu_reference_runs_where_the_kernel_cannot_and_says_why(caplog):
     g = torch.Generator(device="cuda").manual_seed(3)
     q = torch.randn(1, 8, 1, 48, device="cuda", generator=g)  # float32, head size 48

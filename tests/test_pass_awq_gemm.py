@@ -361,6 +361,12 @@ def test_act_order_scatter_is_the_gather():
     b.load_state_dict({**b.state_dict(), "perm": other})
     assert torch.equal(b.perm_inverse[other.long()], torch.arange(K))
     assert "perm_inverse" not in b.state_dict()
+    held, inverse = b.perm, b.perm_inverse
+    b._apply(torch.clone)  # as a CPU -> CUDA move does: new data in the same parameter object, same version
+    assert b.perm is held and b.perm_inverse is not inverse and inverse_order(b.perm) is b.perm_inverse
+    assert torch.equal(b.perm_inverse, inverse)
+    b.to("meta")
+    assert b.perm_inverse.device.type == "meta" and inverse_order(b.perm) is b.perm_inverse
 
 
 def test_act_order_shared_order_merged_once():

@@ -2,12 +2,13 @@
 
 A kernel launched with programmatic stream serialization may start while the kernel before it on
 the stream finishes; it waits (``griddepcontrol.wait``) before it reads what that one wrote.  The
-decode kernels in ``csrc/`` (``common/pdl.h`` decides there, from the same variable), the decode
-attention's Triton kernels and, under CUDA graphs, Inductor's own Triton kernels (the backend's
-``pdl`` option) launch with it where the GPU has it.  ``QUANTFUSE_PDL=0`` turns all of it off; it is
-read at each launch and compile, so that one process may compare both.  ``QUANTFUSE_PDL_PREFETCH=0``
-keeps PDL but drops the decode kernels' L2 prefetch of their weights before they wait
-(``csrc/common/pdl.h``).
+decode kernels in ``csrc/`` (``common/pdl.h`` decides there, from the same variable) and, under CUDA
+graphs, Inductor's own Triton kernels (the backend's ``pdl`` option) launch with it where the GPU has
+it; the decode attention's Triton kernels launch without it.  ``QUANTFUSE_PDL=0`` turns all of it off; it is
+read at each launch and compile, so that one process may compare both.  ``QUANTFUSE_PDL_PREFETCH``
+says what the decode kernels do before they wait (``csrc/common/pdl.h``): ``regs`` (default) load
+their first weights into registers (the AWQ kernel), ``l2`` ask all their weights into L2, ``0``
+nothing.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Each family module holds its op's schema, argument checks, reference and fake
 implementations and autograd formula, named like the family's pass (``passes/``), kernels
 (``csrc/``) and tests (``tests/``): ``scaled_mm``, ``scaled_mm_azp`` (with ``weight_colsum``),
 ``awq_gemm`` (with ``awq_dequantize``), ``w8a16_gemm``, ``concat_weights``,
-``quantize_per_token``, ``gqa_decode``.  ``library`` is how they are defined and what they
+``quantize_per_token``, ``gqa_decode``, ``rms_norm_ordered``.  ``library`` is how they are defined and what they
 share.  Every op follows docs/DESIGN.md's contract: the reference is plain torch and runs on
 any device, and is what runs whenever the kernels cannot take an input; malformed input raises
 ``QuantfuseInputError`` naming the argument.  Importing this package registers them all; the ops
@@ -16,6 +16,7 @@ from . import (  # noqa: F401  (each registers its op)
     concat_weights,
     gqa_decode,
     quantize_per_token,
+    rms_norm_ordered,
     scaled_mm,
     scaled_mm_azp,
     w8a16_gemm,

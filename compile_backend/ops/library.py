@@ -88,19 +88,28 @@ def logged_reference(name, reference):
     return impl
 
 
+# What Inductor may hand an op, by the strides its kernels read (``define_op``'s ``strides``):
+# "fixed"  the stride order of the graph's values (the GEMMs' kernels read fixed layouts);
+# "exact"  exactly the strides tracing saw (torch's default for custom ops);
+# "any"    whatever layout its inputs already have, views included (the kernels take strides as
+#          arguments and check the rest themselves): no copy to match a layout the graph's metadata names.
+LAYOUT_TAGS = {"fixed": (torch.Tag.needs_fixed_stride_order,), "exact": (), "any": (torch.Tag.flexible_layout,)}
+
+
 def define_op(schema: str, reference, fake, *, autograd=None, cuda_fallback=None, kernel_dispatch: bool = True,
-              fixed_strides: bool = True):
+              strides: str = "fixed"):
     """Defines ``quantfuse::<name>`` from its schema and returns the op.
 
     ``autograd``: ``(backward, setup_context)`` for ``torch.library.register_autograd``.
     ``kernel_dispatch``: the kernels' library registers the CUDA implementation (which calls
     ``_<name>_reference`` with a reason where no kernel takes an input); until it is loaded, the
     bootstrap stands in, running ``cuda_fallback`` (default: the reference) if it cannot load.
-    ``fixed_strides``: kernels read their operands with fixed strides; without the tag Inductor
-    may hand a pass-inserted op a layout of its own choosing.
+    ``strides``: which layouts Inductor may hand the op (``LAYOUT_TAGS``).
     """
     name = schema.split("(", 1)[0].strip()
-    lib.define(schema, tags=(torch.Tag.needs_fixed_stride_order,) if fixed_strides else ())
+    if strides not in LAYOUT_TAGS:
+        raise ValueError(f"define_op: 'strides' must be one of {sorted(LAYOUT_TAGS)}, got {strides!r}")
+    lib.define(schema, tags=LAYOUT_TAGS[strides])
     lib.impl(name, reference, "CompositeExplicitAutograd")
     torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=lib)
     if autograd is not None:

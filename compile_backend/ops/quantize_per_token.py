@@ -91,4 +91,4 @@ SCHEMA = "quantize_per_token(Tensor x, ScalarType qdtype, bool symmetric=True) -
 
 # On CUDA the kernels' library runs it (csrc/quantize_per_token/quantize_per_token_dispatch.cpp);
 # for inputs its kernel does not take, this reference runs and logs why.
-quantize_per_token = define_op(SCHEMA, reference, _fake, fixed_strides=False)
+quantize_per_token = define_op(SCHEMA, reference, _fake, strides="exact")

@@ -117,7 +117,7 @@ def _weight_colsum_fake(b: torch.Tensor) -> torch.Tensor:
     return b.new_empty((b.shape[0],), dtype=torch.int32)
 
 
-weight_colsum = define_op(COLSUM_SCHEMA, _weight_colsum, _weight_colsum_fake, fixed_strides=False)
+weight_colsum = define_op(COLSUM_SCHEMA, _weight_colsum, _weight_colsum_fake, strides="exact")
 
 
 def azp_operands(weight: torch.Tensor, zero_point, per_tensor: bool):

@@ -373,18 +373,21 @@ def inverse_order(perm: torch.Tensor) -> torch.Tensor:
     """int64 ``inv`` with ``inv[perm[j]] = j``: ``x.index_select(-1, perm)`` is
     ``torch.empty_like(x).index_copy_(-1, inv, x)``.  Kept on ``perm`` itself while it is unchanged, so
     layers that share one ``perm`` tensor (q/k/v, gate/up) share one inverse and a compiled graph puts
-    their shared input in order once."""
+    their shared input in order once.  The cache is keyed by perm's storage as well as its version: a
+    module's move (``.to``, ``.cuda``) swaps the data of the same parameter object, and an inverse left on
+    the old device would be copied to the new one on every call (refused inside CUDA graph capture)."""
     try:
         version = perm._version
     except RuntimeError:  # an inference tensor keeps no version counter (and cannot be written)
         version = None
+    key = (version, perm.device, perm.data_ptr())
     cached = getattr(perm, "_quantfuse_inverse", None)
-    if cached is not None and cached[0] == version:
+    if cached is not None and cached[0] == key:
         return cached[1]
     with torch.no_grad():
         inv = torch.empty(perm.shape, dtype=torch.int64, device=perm.device)
         inv[perm.long()] = torch.arange(perm.numel(), device=perm.device)
-    perm._quantfuse_inverse = (version, inv)
+    perm._quantfuse_inverse = (key, inv)
     return inv
 
 

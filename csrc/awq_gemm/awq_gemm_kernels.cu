@@ -94,7 +94,7 @@ template <typename T, int NT, int W, bool CLUSTER>
 __global__ void __launch_bounds__(W * 32, min_warps_per_sm(NT, W) / W) awq_gemm_kernel(
     const T* __restrict__ x, const uint4* __restrict__ wp, const T* __restrict__ scales,
     const uint32_t* __restrict__ qzeros, const T* __restrict__ bias, T* __restrict__ out,
-    float* __restrict__ partial, int M, int N, int K, int group_size, bool prefetch) {
+    float* __restrict__ partial, int M, int N, int K, int group_size, int early) {
   constexpr bool kFold = fold_path(NT, W);
   __shared__ __align__(16) float red[red_floats(NT, W)];
 
@@ -126,14 +126,14 @@ __global__ void __launch_bounds__(W * 32, min_warps_per_sm(NT, W) / W) awq_gemm_
 #else
   const uint4* wl = wp + (size_t)strip * KT * 32 + lane;
 #endif
-  // Launched with PDL: the warp's weights asked into L2 while the kernel before may still run (each
-  // k-step is 512 bytes, four lines: 8 k-steps per pass of the warp's lanes), then wait for it;
-  // nothing the previous kernel may write is read before.
-  if (prefetch) {
+  // Launched with PDL (early, common/pdl.h): while the kernel before may still run, the warp's weights
+  // asked into L2 (each k-step is 512 bytes, four lines: 8 k-steps per pass of the warp's lanes), or its
+  // first batch of weights and their groups' scales and zeros loaded (below); then it waits for that
+  // kernel.  Nothing the previous kernel may write (the activations) is read before.
+  if (early == kPdlEarlyL2) {
     const char* wbase = reinterpret_cast<const char*>(wl - lane);
     for (int k = wb + (lane >> 2); k < we; k += 8) prefetch_l2(wbase + (size_t)k * 512 + (lane & 3) * 128);
   }
-  pdl_wait();
   const int gsteps = group_size >> 4;
   const int groups = K / group_size;
   const StripGroups<T> meta(scales, qzeros, N, strip, lane);
@@ -149,10 +149,12 @@ __global__ void __launch_bounds__(W * 32, min_warps_per_sm(NT, W) / W) awq_gemm_
   auto load_x = [&](int k, int nt) {
     return xrow[nt] != nullptr ? __ldg(reinterpret_cast<const uint2*>(xrow[nt] + (k << 4))) : make_uint2(0u, 0u);
   };
-  auto load_batch = [&](Batch& bt, int k0) {
+  auto load_weights = [&](Batch& bt, int k0) {
 #pragma unroll
     for (int u = 0; u < kB; ++u)
       if (k0 + u < we) bt.w[u] = load_stream(wl + (size_t)(k0 + u) * 32);
+  };
+  auto load_acts = [&](Batch& bt, int k0) {
     if constexpr (kFold) {
 #pragma unroll
       for (int u = 0; u < kB; ++u)
@@ -160,19 +162,37 @@ __global__ void __launch_bounds__(W * 32, min_warps_per_sm(NT, W) / W) awq_gemm_
         for (int nt = 0; nt < NT; ++nt) bt.x[u][nt] = k0 + u < we ? load_x(k0 + u, nt) : make_uint2(0u, 0u);
     }
   };
+  auto load_batch = [&](Batch& bt, int k0) {
+    load_weights(bt, k0);
+    load_acts(bt, k0);
+  };
   Batch bat[2];
-  load_batch(bat[0], wb);
   int grp = wb / gsteps;
   int pos = wb - grp * gsteps;  // steps of the current group already behind us
   // Scales and zeros are asked for a group ahead.  fold: the current group's are used when it
   // ends; scaled: its rows' dequantization constants are made when it starts.
   GroupRaw cur, next;
   typename Dq<T>::Row rows[kFold ? 1 : kTiles][2];
-  if (wb < we) {
-    meta.load(grp, cur);
-    if (grp + 1 < groups) meta.load(grp + 1, next);
-    if constexpr (!kFold) meta.rows(cur, lane, rows);
+  auto load_groups = [&]() {
+    if (wb < we) {
+      meta.load(grp, cur);
+      if (grp + 1 < groups) meta.load(grp + 1, next);
+    }
+  };
+  const bool regs_early = early == kPdlEarlyRegisters;
+  if (regs_early) {
+    load_weights(bat[0], wb);
+    load_groups();
   }
+  pdl_wait();
+  if (regs_early) {
+    load_acts(bat[0], wb);
+  } else {
+    load_batch(bat[0], wb);
+    load_groups();
+  }
+  if constexpr (!kFold)
+    if (wb < we) meta.rows(cur, lane, rows);
 
   auto step = [&](const Batch& bt, int u, int k) {
     if (pos == gsteps) {
@@ -431,16 +451,16 @@ cudaError_t run_gemm(const void* x, const uint32_t* wp, const void* scales, cons
   const T* sp = static_cast<const T*>(scales);
   const T* bp = static_cast<const T*>(bias);
   T* op = static_cast<T*>(out);
-  const bool prefetch = pdl && pdl_prefetch();
+  const int early = pdl ? pdl_early() : kPdlEarlyNone;
   if (splits > 1 && cluster) {
     const ClusterLaunch launch(grid, dim3(W * 32), 0, stream, splits, pdl);
     return cudaLaunchKernelEx(&launch.cfg, awq_gemm_kernel<T, NT, W, true>, xp, wq, sp, qzeros, bp, op,
-                              static_cast<float*>(nullptr), M, N, K, group_size, prefetch);
+                              static_cast<float*>(nullptr), M, N, K, group_size, early);
   }
   const ClusterLaunch launch(grid, dim3(W * 32), 0, stream, 1, pdl);
   float* part = splits > 1 ? partial : nullptr;
   return reduce_splits<T>(cudaLaunchKernelEx(&launch.cfg, awq_gemm_kernel<T, NT, W, false>, xp, wq, sp, qzeros, bp,
-                                             op, part, M, N, K, group_size, prefetch),
+                                             op, part, M, N, K, group_size, early),
                           partial, bp, op, M, N, splits, stream);
 }
 

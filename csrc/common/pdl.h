@@ -23,14 +23,19 @@ inline bool pdl_default(int device) {
   return (v == nullptr || std::strcmp(v, "0") != 0) && pdl_supported(device);
 }
 
-// Whether a kernel launched with PDL asks its weights into L2 before griddepcontrol.wait: unless
-// QUANTFUSE_PDL_PREFETCH=0 (read at every launch, as QUANTFUSE_PDL).  Weights larger than the L2
-// (gate/up of an 8B model) are partly evicted before the main loop reads them, and the requests
-// compete with the previous kernel's traffic; the variable lets one process measure both.
-inline bool pdl_prefetch() {
+// What a decode kernel launched with PDL does before griddepcontrol.wait, from QUANTFUSE_PDL_PREFETCH
+// (read at every launch, as QUANTFUSE_PDL, so that one process may measure each): kPdlEarlyRegisters
+// ("regs", the default) loads its first batch of weights, and their groups' scales and zeros, into
+// registers (the AWQ kernel; the others do nothing early); kPdlEarlyL2 ("l2" or "1") asks its whole K
+// range into L2, where weights larger than the L2 (gate/up of an 8B model) are partly evicted before the
+// main loop reads them and the requests compete with the previous kernel's traffic; kPdlEarlyNone ("0").
+enum PdlEarly { kPdlEarlyNone = 0, kPdlEarlyL2 = 1, kPdlEarlyRegisters = 2 };
+inline int pdl_early() {
   const char* v = std::getenv("QUANTFUSE_PDL_PREFETCH");
-  return v == nullptr || std::strcmp(v, "0") != 0;
+  if (v == nullptr || std::strcmp(v, "regs") == 0) return kPdlEarlyRegisters;
+  return std::strcmp(v, "0") == 0 ? kPdlEarlyNone : kPdlEarlyL2;
 }
+inline bool pdl_prefetch() { return pdl_early() == kPdlEarlyL2; }
 
 // An op's `pdl` argument: -1 the default above, 0 off, 1 on where the GPU has it.
 inline bool pdl_for(int64_t pdl, int device) {
