@@ -10,6 +10,12 @@ dispatch thresholds mirrored from csrc/, and the W8A8 helpers they all use.
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -19,6 +25,8 @@ HOPPER = CAP == (9, 0)
 DEV = "cuda"
 
 needs_hopper = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 (Hopper) GPU: the SM90 kernels")
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                  reason="needs Triton (its interpreter runs on a CPU)")
 
 # The kernel choice of the public ops' CUDA dispatch (csrc/), for the tests that check which
 # kernel runs.  Keep in step with the C++ constants named.
@@ -217,3 +225,17 @@ def check_w8a8(out, ref64, out_dtype, in_dtype=torch.int8, what=""):
         f"{what}: {int(bad.sum())} of {bad.numel()} elements off; max err {err.max().item():.4g}, "
         f"max |ref| {ref64.abs().max().item():.4g}; first bad at {bad.nonzero()[0].tolist()}"
     )
+
+
+# --------------------------------------------------------------------------- Triton's interpreter
+
+
+def assert_interpreted_ok(cases: str, timeout: int) -> None:
+    """``tests/<cases>.py``'s ``interpret()`` in a subprocess with ``TRITON_INTERPRET=1`` (read when
+    Triton is imported, so not in this process): it must exit 0 having printed ok."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    code = f"import sys; sys.path.insert(0, {str(root / 'tests')!r}); import {cases}; {cases}.interpret()"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

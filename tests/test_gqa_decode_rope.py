@@ -11,21 +11,15 @@ against float64, the caches written bit for bit as the reference writes them.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import assert_interpreted_ok, needs_triton
 from gqa_decode_cases import make, out_order
 
 from compile_backend.ops import QuantfuseInputError
 from compile_backend.ops.gqa_decode import advance_reference, rope, rope_reference
 
-ROOT = Path(__file__).resolve().parents[1]
 gqa_decode_rope = torch.ops.quantfuse.gqa_decode_rope
 gqa_decode = torch.ops.quantfuse.gqa_decode
 gqa_decode_rope_advance = torch.ops.quantfuse.gqa_decode_rope_advance
@@ -460,16 +454,11 @@ def test_pass_stores_the_order_only_in_that_form(monkeypatch, variant, folded):
 
 # --------------------------------------------------------------------------- the kernels, interpreted on a CPU
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter runs on a CPU)")
+@needs_triton
 def test_kernels_in_the_triton_interpreter():
     """The split kernel with the rotary and the cache write, run by Triton's interpreter: outputs within
     float16's rounding of the reference's, the caches written bit for bit as the reference writes them."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(
-        "PYTHONPATH", "")])}
-    tests = str(ROOT / "tests")
-    code = f"import sys; sys.path.insert(0, {tests!r}); import gqa_decode_cases; gqa_decode_cases.interpret()"
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+    assert_interpreted_ok("gqa_decode_cases", timeout=900)
 
 
 # --------------------------------------------------------------------------- GPU

@@ -12,21 +12,15 @@ against float64 and against the reference, in a CUDA graph.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from conftest import assert_interpreted_ok, needs_triton
 
 from compile_backend.ops import QuantfuseInputError
 from compile_backend.ops.rms_norm_ordered import add_reference, reference
 
 transformers = pytest.importorskip("transformers")
 
-ROOT = Path(__file__).resolve().parents[1]
 rms_norm_ordered = torch.ops.quantfuse.rms_norm_ordered
 add_rms_norm_ordered = torch.ops.quantfuse.add_rms_norm_ordered
 
@@ -218,16 +212,10 @@ def test_pass_leaves_graphs_off_cuda_graphs():
 
 # --------------------------------------------------------------------------- the kernel, interpreted on a CPU
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter runs on a CPU)")
+@needs_triton
 def test_kernel_in_the_triton_interpreter():
     """The kernel run by Triton's interpreter against the references (tests/rms_norm_ordered_cases.py)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    tests = str(ROOT / "tests")
-    code = (f"import sys; sys.path.insert(0, {tests!r}); import rms_norm_ordered_cases; "
-            "rms_norm_ordered_cases.interpret()")
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+    assert_interpreted_ok("rms_norm_ordered_cases", timeout=600)
 
 
 # --------------------------------------------------------------------------- GPU
