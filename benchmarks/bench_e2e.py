@@ -39,7 +39,8 @@ Two paths, each compiled with ``mode="reduce-overhead"`` (CUDA graphs):
                 first token (``max_new_tokens=1``).
 
 Per config, path and batch (``--batch``): tok/s (batch x steps/s), wall ms per decode step, GPU ms per
-step (sum of the profiler's device-side time over the profiled steps / steps; for ``generate`` the
+step (the time some device-side event of the profiler ran, overlapping kernels counted once, over the
+profiled steps / steps; for ``generate`` the
 difference of two generate calls of different lengths, so the prefill cancels), host ms per step (wall -
 GPU) and the part of it the GPU sat idle between kernels (pauses under ``GAP_LIMIT_US``: launch gaps, not
 host waits), compile time (first call - steady-state call), peak memory beside the weights, the bytes floor (the
@@ -378,7 +379,8 @@ class FusedCount:
 
 
 def profile_steps(device: str, run, steps: int, keep_all: bool = False) -> dict:
-    """Device time per step (sum of the profiler's device-side events) and the busiest host ops.
+    """Device time per step (the time some device-side event of the profiler ran; the sum of their
+    durations beside it) and the busiest host ops.
 
     ``run()`` executes ``steps`` decode steps.  Kernels replayed from a CUDA graph are reported by
     CUPTI one by one, so the sum covers them too.
@@ -406,8 +408,12 @@ def profile_steps(device: str, run, steps: int, keep_all: bool = False) -> dict:
         if total_us == 0:  # older layouts: device time only on the raw events
             total_us = sum(e.time_range.elapsed_us() for e in prof.events()
                            if getattr(e, "device_type", None) == DeviceType.CUDA)
-        out["gpu_ms_per_step"] = total_us / 1e3 / steps
-        out["gpu_gaps_ms_per_step"] = kernel_gaps_us(prof.events()) / 1e3 / steps
+        # With programmatic dependent launch a kernel starts (and waits) while the one before it
+        # finishes: their intervals overlap, so the sum of durations exceeds the time the GPU was busy.
+        busy_us, gaps_us = kernel_busy_and_gaps_us(prof.events())
+        out["kernel_sum_ms_per_step"] = total_us / 1e3 / steps
+        out["gpu_ms_per_step"] = (busy_us or total_us) / 1e3 / steps
+        out["gpu_gaps_ms_per_step"] = gaps_us / 1e3 / steps
         # Kernels (and copies) per step: with a small model, their number times a kernel's minimum
         # duration, not the bytes read, sets the GPU time.
         out["launches_per_step"] = sum(e.count for e in dev) / steps
@@ -431,19 +437,27 @@ def profile_steps(device: str, run, steps: int, keep_all: bool = False) -> dict:
 GAP_LIMIT_US = 50.0
 
 
-def kernel_gaps_us(events) -> float:
-    """Microseconds the GPU sat idle between consecutive device events when the pause was under
+def kernel_busy_and_gaps_us(events) -> tuple[float, float]:
+    """Microseconds some device event ran (the union of their intervals: overlapping kernels count
+    once), and those the GPU sat idle between consecutive device events when the pause was under
     ``GAP_LIMIT_US``: the part of a step's wall time that is neither kernel time nor host waiting."""
     from torch.autograd import DeviceType
 
     spans = sorted((e.time_range.start, e.time_range.end) for e in events
                    if getattr(e, "device_type", None) == DeviceType.CUDA)
-    idle, end = 0.0, None
+    busy, idle, begin, end = 0.0, 0.0, None, None
     for start, stop in spans:
-        if end is not None and 0 < start - end < GAP_LIMIT_US:
-            idle += start - end
+        if end is not None and start > end:
+            busy += end - begin
+            if start - end < GAP_LIMIT_US:
+                idle += start - end
+            begin = None
+        if begin is None:
+            begin = start
         end = stop if end is None else max(end, stop)
-    return idle
+    if end is not None:
+        busy += end - begin
+    return busy, idle
 
 
 def profile_diff(short: dict, long: dict, steps: int, key: str, top: int = 15) -> list:

@@ -9,6 +9,8 @@ computed from the int8 weight: one rounding to the output dtype plus float32 acc
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from conftest import DEV, HOPPER, assert_pdl_on_off_equal, kernel_names, poison
@@ -179,7 +181,7 @@ def test_pdl_on_and_off_equal(M, dtype):
     """The decode kernel with programmatic dependent launch and without: the same bits, eagerly and in
     CUDA graphs (``conftest.assert_pdl_on_off_equal``)."""
     x, w, s, b = make(M, 4096, 4096, dtype, seed=40 + M)
-    seeds = iter(range(50, 60))
+    seeds = itertools.count(50)
     assert_pdl_on_off_equal(lambda a, pdl: torch.ops.quantfuse._w8a16_decode_cuda(a, w, s, b, -1, -1, -1, pdl),
                             x, lambda: make(M, 4096, 4096, dtype, seed=next(seeds))[0])
 

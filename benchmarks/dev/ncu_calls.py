@@ -22,6 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root (benchmarks/dev/../..)
 
+import compile_backend  # noqa: E402,F401  (registers the quantfuse ops)
+
 
 def w8a8(N: int, K: int, M: int, dtype: str):
 
