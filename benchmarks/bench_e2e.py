@@ -26,6 +26,8 @@ records the quantizer's error).  Configs (``--configs``):
 * ``<config>+no-pdl``           the config with ``QUANTFUSE_PDL=0`` while it builds, compiles and runs: no
                                 programmatic dependent launch, in our decode kernels or Inductor's (the
                                 default launches with it on sm_90+ under CUDA graphs)
+* ``<config>+pdl-regs``, ``+pdl-l2``  the config with ``QUANTFUSE_PDL_PREFETCH=regs`` / ``l2``: the decode
+                                kernels' measurement modes of work before they wait (``csrc/common/pdl.h``)
 
 Two paths, each compiled with ``mode="reduce-overhead"`` (CUDA graphs):
 
@@ -247,28 +249,36 @@ def positions_needed(args) -> int:
                args.prompt_len) + 64
 
 
+# Variants that set environment variables while the config builds, compiles and runs.
+ENV_VARIANTS = {"no-pdl": ("QUANTFUSE_PDL", "0"), "pdl-regs": ("QUANTFUSE_PDL_PREFETCH", "regs"),
+                "pdl-l2": ("QUANTFUSE_PDL_PREFETCH", "l2")}
+
+
 def parse_config(name: str, args) -> dict:
     """'fp16' | 'bf16' | '<scheme>' | '<scheme>@inductor' | '<scheme>@quantfuse', a scheme optionally with
     '+act-order' (an AWQ scheme as a GPTQ desc_act checkpoint of it loads) and '+lm_head-<scheme>' (the
-    head quantized too: ``quantize_model(..., lm_head=)``), e.g. ``awq-g128+lm_head-w8a16``."""
+    head quantized too: ``quantize_model(..., lm_head=)``), e.g. ``awq-g128+lm_head-w8a16``; any config
+    with one of ``ENV_VARIANTS`` ('+no-pdl', ...), which set an environment variable while it runs."""
     from compile_backend.quantize import SCHEMES
 
     base, _, backend = name.partition("@")
     base, *variants = base.split("+")
-    act_order, lm_head, pdl = False, None, "no-pdl" not in variants
-    variants = [v for v in variants if v != "no-pdl"]
+    env = {var: value for v, (var, value) in ENV_VARIANTS.items() if v in variants}
+    act_order, lm_head = False, None
+    variants = [v for v in variants if v not in ENV_VARIANTS]
     for v in variants:
         if v == "act-order" and base.startswith("awq"):
             act_order = True
         elif v.startswith("lm_head-") and v.removeprefix("lm_head-") in SCHEMES:
             lm_head = v.removeprefix("lm_head-")
         else:
-            raise ValueError(f"config {name!r}: variant {v!r}; expected 'act-order' (AWQ schemes), 'no-pdl' or "
+            raise ValueError(f"config {name!r}: variant {v!r}; expected 'act-order' (AWQ schemes), "
+                             f"{', '.join(repr(e) for e in ENV_VARIANTS)} or "
                              f"'lm_head-<scheme>' with a scheme of {sorted(SCHEMES)}")
     if base in DENSE:
         if variants:
             raise ValueError(f"config {name!r}: a dense config takes no variants")
-        return dict(name=name, dtype=DENSE[base], scheme=None, backend=backend or "inductor", pdl=pdl)
+        return dict(name=name, dtype=DENSE[base], scheme=None, backend=backend or "inductor", env=env)
     if base not in SCHEMES:
         raise ValueError(f"unknown config {name!r}: expected fp16, bf16 or a scheme of {sorted(SCHEMES)}"
                          " (optionally @inductor / @quantfuse)")
@@ -276,7 +286,7 @@ def parse_config(name: str, args) -> dict:
     if backend not in ("inductor", "quantfuse"):
         raise ValueError(f"config {name!r}: backend {backend!r}; expected inductor or quantfuse")
     return dict(name=name, dtype=DTYPES[args.qdtype], scheme=base, backend=backend, act_order=act_order,
-                lm_head=lm_head, pdl=pdl)
+                lm_head=lm_head, env=env)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -916,16 +926,16 @@ def run_config(name: str, args, results: dict, state: dict):
     except Exception as exc:
         record_error(res, exc, state, args.device)
         return
-    previous = os.environ.get("QUANTFUSE_PDL")
-    if not cfg["pdl"]:
-        os.environ["QUANTFUSE_PDL"] = "0"
+    previous = {var: os.environ.get(var) for var in cfg["env"]}
+    os.environ.update(cfg["env"])
     try:
         _run_config(name, args, results, state, cfg, res)
     finally:
-        if previous is None:
-            os.environ.pop("QUANTFUSE_PDL", None)
-        else:
-            os.environ["QUANTFUSE_PDL"] = previous
+        for var, value in previous.items():
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
 
 
 def _run_config(name: str, args, results: dict, state: dict, cfg: dict, res: dict):

@@ -6,9 +6,10 @@ decode kernels in ``csrc/`` (``common/pdl.h`` decides there, from the same varia
 graphs, Inductor's own Triton kernels (the backend's ``pdl`` option) launch with it where the GPU has
 it; the decode attention's Triton kernels launch without it.  ``QUANTFUSE_PDL=0`` turns all of it off; it is
 read at each launch and compile, so that one process may compare both.  ``QUANTFUSE_PDL_PREFETCH``
-says what the decode kernels do before they wait (``csrc/common/pdl.h``): ``regs`` (default) load
-their first weights into registers (the AWQ kernel), ``l2`` ask all their weights into L2, ``0``
-nothing.
+(``csrc/common/pdl.h``) is a measurement knob for what the decode kernels do before they wait: nothing
+(unset or ``0``, the default), ``regs`` (the AWQ kernel loads its first weights into registers) or
+``l2`` (the kernels ask their weights into L2); the two read weights while the kernel before may still
+run, so they are wrong where that kernel writes them, and neither measured faster.
 """
 
 from __future__ import annotations

@@ -126,10 +126,11 @@ __global__ void __launch_bounds__(W * 32, min_warps_per_sm(NT, W) / W) awq_gemm_
 #else
   const uint4* wl = wp + (size_t)strip * KT * 32 + lane;
 #endif
-  // Launched with PDL (early, common/pdl.h): while the kernel before may still run, the warp's weights
+  // Launched with PDL it waits for the kernel before (pdl_wait below) before its first load.  The
+  // measurement modes of `early` (common/pdl.h) work while that kernel may still run: the warp's weights
   // asked into L2 (each k-step is 512 bytes, four lines: 8 k-steps per pass of the warp's lanes), or its
-  // first batch of weights and their groups' scales and zeros loaded (below); then it waits for that
-  // kernel.  Nothing the previous kernel may write (the activations) is read before.
+  // first batch of weights and their groups' scales and zeros loaded (below); the activations, which
+  // the kernel before writes, are read after the wait in every mode.
   if (early == kPdlEarlyL2) {
     const char* wbase = reinterpret_cast<const char*>(wl - lane);
     for (int k = wb + (lane >> 2); k < we; k += 8) prefetch_l2(wbase + (size_t)k * 512 + (lane & 3) * 128);

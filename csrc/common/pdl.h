@@ -24,16 +24,20 @@ inline bool pdl_default(int device) {
 }
 
 // What a decode kernel launched with PDL does before griddepcontrol.wait, from QUANTFUSE_PDL_PREFETCH
-// (read at every launch, as QUANTFUSE_PDL, so that one process may measure each): kPdlEarlyRegisters
-// ("regs", the default) loads its first batch of weights, and their groups' scales and zeros, into
-// registers (the AWQ kernel; the others do nothing early); kPdlEarlyL2 ("l2" or "1") asks its whole K
-// range into L2, where weights larger than the L2 (gate/up of an 8B model) are partly evicted before the
-// main loop reads them and the requests compete with the previous kernel's traffic; kPdlEarlyNone ("0").
+// (read at every launch, as QUANTFUSE_PDL, so that one process may measure each).  kPdlEarlyNone (unset
+// or "0", the default): nothing; its loads follow the wait.  The two others are for measurement only:
+// kPdlEarlyRegisters ("regs") loads its first batch of weights, and their groups' scales and zeros, into
+// registers (the AWQ kernel; the others do nothing early); kPdlEarlyL2 ("l2") asks its whole K range
+// into L2.  Both read the weights while the kernel before may still run, which is wrong where that
+// kernel writes them (a repacked layout made on a cache miss right before the GEMM); and neither pays:
+// "regs" measured within 0.5% of nothing in the 32-layer decode step, "l2" slower than launching without
+// PDL at all (0.89-0.97x: the requests compete with the previous kernel's traffic, and weights larger
+// than the L2 are partly evicted before the main loop reads them).
 enum PdlEarly { kPdlEarlyNone = 0, kPdlEarlyL2 = 1, kPdlEarlyRegisters = 2 };
 inline int pdl_early() {
   const char* v = std::getenv("QUANTFUSE_PDL_PREFETCH");
-  if (v == nullptr || std::strcmp(v, "regs") == 0) return kPdlEarlyRegisters;
-  return std::strcmp(v, "0") == 0 ? kPdlEarlyNone : kPdlEarlyL2;
+  if (v == nullptr || std::strcmp(v, "0") == 0) return kPdlEarlyNone;
+  return std::strcmp(v, "regs") == 0 ? kPdlEarlyRegisters : kPdlEarlyL2;
 }
 inline bool pdl_prefetch() { return pdl_early() == kPdlEarlyL2; }
 
