@@ -75,7 +75,7 @@ from torch._dynamo.utils import counters
 from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .dynamo_graph import example_value
+from .dynamo_graph import act_order_scatters, example_value
 from .dynamo_graph import takes_op as _takes_op  # a name of its own here: CPU tests replace it
 
 log = logging.getLogger("quantfuse.gqa_decode")
@@ -398,32 +398,23 @@ def _same_rows(chain: list[Node], shape: tuple[int, ...]) -> bool:
 
 def _output_scatter(op: Node) -> tuple[Node, Node, Node, Node] | None:
     """``(x, empty, scatter, order)`` where ``op``'s result reaches ``x`` through views read by nothing
-    else and ``x`` is put in ``order`` by ``torch.empty_like(x).index_copy_(-1, order, x)`` alone."""
+    else and ``x`` is put in ``order`` by ``torch.empty_like(x).index_copy_(-1, order, x)`` alone
+    (``dynamo_graph.act_order_scatters``)."""
     shape = _shape(op.args[0])  # q: the result's [B, H, 1, D]
     if shape is None or not all(isinstance(d, int) for d in shape):
         return None
-    node, chain = op, []
-    while True:
-        users = list(node.users)
-        copies = [u for u in users if u.op == "call_method" and u.target == "index_copy_" and len(u.args) == 4
-                  and u.args[3] is node and not u.kwargs]
-        if copies:
-            break
-        if len(users) != 1 or not _keeps_values(users[0], node):
+    x, chain = op, []
+    while not any(u.op == "call_method" and u.target == "index_copy_" for u in x.users):
+        users = list(x.users)
+        if len(users) != 1 or not _keeps_values(users[0], x):
             return None
-        node = users[0]
-        chain.append(node)
-    x, scatter = node, copies[0]
-    empty, dim, order = scatter.args[:3]
-    xv, ov = x.meta.get("example_value"), getattr(order, "meta", {}).get("example_value")
-    if not (isinstance(empty, Node) and empty.op == "call_function" and empty.target is torch.empty_like
-            and empty.args == (x,) and not empty.kwargs and set(empty.users) == {scatter}
-            and set(x.users) == {empty, scatter} and isinstance(xv, torch.Tensor)
-            and dim in (-1, xv.dim() - 1)):
+        x = users[0]
+        chain.append(x)
+    found = act_order_scatters(x)
+    if found is None or len(found[1]) != 1:
         return None
-    if not (isinstance(order, Node) and order.op in ("placeholder", "get_attr") and isinstance(ov, torch.Tensor)
-            and ov.dim() == 1 and ov.dtype in (torch.int32, torch.int64) and ov.shape[0] == math.prod(shape[1:])
-            and ov.device == xv.device):
+    order, ((empty, scatter),) = found
+    if example_value(order).shape[0] != math.prod(shape[1:]):
         return None
     return (x, empty, scatter, order) if _same_rows(chain, shape) else None
 

@@ -36,7 +36,7 @@ import torch
 from torch._dynamo.utils import counters
 from torch.fx import GraphModule, Node
 
-from .dynamo_graph import example_value
+from .dynamo_graph import act_order_scatters, example_value
 from .dynamo_graph import takes_op as _takes_op  # a name of its own here: CPU tests replace it
 
 log = logging.getLogger("quantfuse.rms_norm_ordered")
@@ -101,35 +101,6 @@ def _rms_norm(n: Node):
     return None
 
 
-def _scatters(n: Node):
-    """``(order, [(empty, scatter), ...])`` where ``n`` is read by nothing but scatters
-    ``torch.empty_like(n).index_copy_(-1, order, n)`` by one order, else None."""
-    pairs, order = [], None
-    nv = example_value(n)
-    if not isinstance(nv, torch.Tensor):
-        return None
-    for user in n.users:
-        if _is(user, "empty_like", torch.empty_like):
-            continue
-        if not (user.op == "call_method" and user.target == "index_copy_" and len(user.args) == 4
-                and user.args[3] is n and not user.kwargs and user.args[1] in (-1, nv.dim() - 1)):
-            return None
-        empty = user.args[0]
-        if not (_is(empty, "empty_like", torch.empty_like) and empty.args == (n,) and not empty.kwargs
-                and _only_user(empty, user)):
-            return None
-        if order is not None and user.args[2] is not order:
-            return None
-        order = user.args[2]
-        pairs.append((empty, user))
-    ov = example_value(order)
-    if not (pairs and len(pairs) * 2 == len(n.users) and isinstance(order, Node) and order.op == "placeholder"
-            and isinstance(ov, torch.Tensor) and ov.dtype in (torch.int32, torch.int64)
-            and tuple(ov.shape) == (nv.shape[-1],) and ov.device == nv.device):
-        return None
-    return order, pairs
-
-
 def _residual_add(s: Node):
     """``(a, b)`` where ``s`` is ``a + b`` of two tensors of its shape and dtype, else None."""
     if not (_is(s, "add", operator.add, torch.add) and len(s.args) == 2 and not s.kwargs):
@@ -144,7 +115,7 @@ def _residual_add(s: Node):
 
 def _rewrite(graph, n: Node, on_cuda_graphs: bool, position: dict) -> bool:
     norm = _rms_norm(n)
-    found = _scatters(n) if norm is not None else None
+    found = act_order_scatters(n) if norm is not None else None
     if found is None:
         return False
     s, weight, eps, chain = norm
