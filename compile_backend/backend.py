@@ -32,10 +32,10 @@ as ``BackendCompilerFailed``); fallback is for real compile failures only.
 ``pdl`` (bool, default True)
     Programmatic dependent launch on sm_90 and later, in graphs that run as CUDA graphs: Inductor's
     Triton kernels are generated with it (``triton.enable_pdl``, where this torch has it; an explicit
-    ``triton.enable_pdl`` option wins), so that each kernel launches while the one before finishes
-    and the decode kernels stream their weights into L2 meanwhile (``csrc/common/pdl.cuh``).  The
-    environment's ``QUANTFUSE_PDL=0`` turns it off here and in the kernels' launches; results are the
-    same either way.  Outside CUDA graphs it stays off (a launch with it costs the host more).
+    ``triton.enable_pdl`` option wins), so that each kernel launches while the one before finishes,
+    as our decode kernels do (``csrc/common/pdl.cuh``; each waits for the one before to complete
+    before it reads).  The environment's ``QUANTFUSE_PDL=0`` turns it off here and in the kernels'
+    launches; results are the same either way.  Outside CUDA graphs it stays off (a launch with it costs the host more).
 
 ``mode`` works as for Inductor ("reduce-overhead" turns on CUDA graphs,
 "max-autotune" max-autotune).  A graph run as a CUDA graph refuses to run once a weight it

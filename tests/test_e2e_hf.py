@@ -274,14 +274,16 @@ def test_generate_cuda_graphs(scheme):
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("scheme", ["awq-g128", "int8"])
-def test_pdl_on_and_off_give_the_same_generate(scheme):
-    """CUDA graphs with programmatic dependent launch (the backend's ``pdl`` option: Inductor's kernels and
-    ours; on sm_90+) and without give the same logits, bit for bit, through ``generate``."""
+def test_pdl_on_and_off_give_the_same_generate(monkeypatch, scheme):
+    """CUDA graphs with programmatic dependent launch (on sm_90+: Inductor's kernels, the backend's ``pdl``
+    option, and ours, ``QUANTFUSE_PDL``) and without give the same logits, bit for bit, through
+    ``generate``."""
     model = quantize_model(tiny_causal_lm(hidden=256, intermediate=512, heads=4, kv_heads=2, dtype=torch.float16,
                                           device="cuda"), scheme)
     ids = prompt(model.config.vocab_size, "cuda", seed=4)
     runs = {}
     for pdl in (False, True):
+        monkeypatch.setenv("QUANTFUSE_PDL", "1" if pdl else "0")
         config = transformers.CompileConfig(backend="quantfuse", mode=None, options={"triton.cudagraphs": True,
                                                                                   "pdl": pdl})
         (runs[pdl],) = compiled_generate(model, ids, config, quantized_linears(model), f"{scheme} pdl={pdl}")
