@@ -47,9 +47,9 @@ bool gemm_needs_workspace(int splits, int device, bool allow_cluster = true);
 
 // out[M, N] = x[M, K] @ W + bias, W dequantized in registers from the repacked layout.
 // partial: fp32 workspace of splits*M*N floats when gemm_needs_workspace (else may be null).
-// pdl: launched with programmatic stream serialization (common/pdl.cuh): the weights are asked
-// into L2 before the kernel waits for the previous one, and it lets the next one launch after its
-// main loop.
+// pdl: launched with programmatic stream serialization (common/pdl.cuh): the kernel waits for the
+// previous one before its first load (common/pdl.h: QUANTFUSE_PDL_PREFETCH's measurement modes
+// work before it) and lets the next one launch after its main loop.
 // N % 64 == 0, K % 16 == 0, group_size % 16 == 0, K % group_size == 0; x rows 8-byte aligned.
 cudaError_t launch_gemm(DType dtype, const void* x, const uint32_t* wpacked, const void* scales,
                         const uint32_t* qzeros, const void* bias, void* out, float* partial,

@@ -181,7 +181,7 @@ struct KernelArgs {
   int64_t lda, ldb, ldd;
   int splits;           // CTAs per cluster along K (gridDim.x = splits * N / 16 rounded up)
   int chunks_per_part;  // 64-byte K chunks per (CTA, warp)
-  bool prefetch;        // launched with PDL: weights asked into L2 before waiting for the previous kernel
+  bool prefetch;        // QUANTFUSE_PDL_PREFETCH=l2 (common/pdl.h): weights asked into L2 before the wait
 };
 
 // The 8-bit operand type of the kernel's m16n8k32 (common/mma.cuh).

@@ -108,7 +108,7 @@ struct DecodeArgs {
   int64_t ldx, ldw, ldy;
   int splits, chunks_per_part;
   int slices;  // token slices of kMaxM rows (M > kMaxM): CTAs of one row tile, adjacent in the grid
-  bool prefetch;  // launched with PDL: weights asked into L2 before waiting for the previous kernel
+  bool prefetch;  // QUANTFUSE_PDL_PREFETCH=l2 (common/pdl.h): weights asked into L2 before the wait
 };
 
 // One batch of register loads: kBatch chunks; per chunk and lane 16 weight bytes of rows g and
