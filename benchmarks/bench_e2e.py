@@ -1257,7 +1257,8 @@ def _step_kernels(results) -> list[str]:
         return []
     return ["", "Decode step kernels (loop; launches: the device's kernels and copies per step, µs / launch: GPU "
                 "time over them; then the profiled steps' largest kernels by GPU time: µs per step, launches per "
-                "step):\n", "| config | batch | GPU ms/step | launches | µs / launch | kernels |",
+                "step; a kernel launched with programmatic dependent launch counts from its start, its wait for "
+                "the kernel before included):\n", "| config | batch | GPU ms/step | launches | µs / launch | kernels |",
             "|---|---|---|---|---|---|", *rows]
 
 
