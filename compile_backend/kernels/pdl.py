@@ -8,8 +8,8 @@ it; the decode attention's Triton kernels launch without it.  ``QUANTFUSE_PDL=0`
 read at each launch and compile, so that one process may compare both.  ``QUANTFUSE_PDL_PREFETCH``
 (``csrc/common/pdl.h``) is a measurement knob for what the decode kernels do before they wait: nothing
 (unset or ``0``, the default), ``regs`` (the AWQ kernel loads its first weights into registers) or
-``l2`` (the kernels ask their weights into L2); the two read weights while the kernel before may still
-run, so they are wrong where that kernel writes them, and neither measured faster.
+``l2`` (the kernels ask their weights into L2).  Neither measured faster, and ``regs`` reads weights
+while the kernel before may still run: wrong where that kernel writes them.
 """
 
 from __future__ import annotations

@@ -28,8 +28,9 @@ inline bool pdl_default(int device) {
 // or "0", the default): nothing; its loads follow the wait.  The two others are for measurement only:
 // kPdlEarlyRegisters ("regs") loads its first batch of weights, and their groups' scales and zeros, into
 // registers (the AWQ kernel; the others do nothing early); kPdlEarlyL2 ("l2") asks its whole K range
-// into L2.  Both read the weights while the kernel before may still run, which is wrong where that
-// kernel writes them (a repacked layout made on a cache miss right before the GEMM); and neither pays:
+// into L2.  "regs" reads weights into registers while the kernel before may still run, which is wrong
+// where that kernel writes them (a repacked layout made on a cache miss right before the GEMM); "l2"
+// only asks lines into L2, the point of coherence, so later loads still see such writes.  Neither pays:
 // "regs" measured within 0.5% of nothing in the 32-layer decode step, "l2" slower than launching without
 // PDL at all (0.89-0.97x: the requests compete with the previous kernel's traffic, and weights larger
 // than the L2 are partly evicted before the main loop reads them).
