@@ -457,3 +457,24 @@ def test_pdl_on_and_off_equal(M, dtype):
         return torch.ops.quantfuse._awq_gemm_cuda(a, packed, s, qz, G, None, 0, 0, True, pdl)
 
     assert_pdl_on_off_equal(gemm, make_x(M, K, dtype, gen), lambda: make_x(M, K, dtype, gen))
+
+
+def test_pdl_env_read_as_the_backend_reads_it(monkeypatch):
+    """``QUANTFUSE_PDL`` at an eager launch (``pdl=-1``, the default): '0' (spaces around it ignored) launches
+    without PDL, giving the bits of ``pdl=0``; a value other than 0 / 1 is refused naming the variable, as the
+    backend's check refuses it (``compile_backend/kernels/pdl.py``), not read as 'on'."""
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    N, K = 256, 512
+    qw, s, qz, G, q, z = make_awq(K, N, 128, torch.float16, gen)
+    packed = repacked(qw)
+    x = make_x(1, K, torch.float16, gen)
+
+    def gemm(pdl):
+        return torch.ops.quantfuse._awq_gemm_cuda(x, packed, s, qz, G, None, 0, 0, True, pdl)
+
+    monkeypatch.setenv("QUANTFUSE_PDL", " 0 ")
+    assert torch.equal(gemm(-1), gemm(0))
+    monkeypatch.setenv("QUANTFUSE_PDL", "off")
+    with pytest.raises((RuntimeError, ValueError), match="QUANTFUSE_PDL='off'; expected '0'"):
+        gemm(-1)
+    assert torch.equal(gemm(1), gemm(0))  # an explicit argument does not read the variable

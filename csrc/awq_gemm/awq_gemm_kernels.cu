@@ -26,7 +26,7 @@
 #include "common/cluster_launch.h"
 #include "common/pdl.cuh"
 #include "common/pdl.h"
-#include "common/sm_count.h"
+#include "common/device_attribute.h"
 
 namespace quantfuse {
 namespace awq {
@@ -370,17 +370,6 @@ __global__ void awq_unrepack_kernel(const uint32_t* __restrict__ packed, uint32_
 // ----------------------------------------------------------------------------- host side
 
 int sm_count(int device) { return quantfuse::sm_count(device, 132); }
-
-bool cluster_launch(int device) {
-  static int cached[64] = {0};  // 0 unknown, 1 no, 2 yes
-  if (device < 0 || device >= 64) return false;
-  if (cached[device] == 0) {
-    int ok = 0;
-    if (cudaDeviceGetAttribute(&ok, cudaDevAttrClusterLaunch, device) != cudaSuccess) ok = 0;
-    cached[device] = ok ? 2 : 1;
-  }
-  return cached[device] == 2;
-}
 
 template <typename T, int NT, int W, bool CLUSTER>
 int occupancy_of() {  // both kernels of a shape (batch_groups) have the same bounds and shared memory

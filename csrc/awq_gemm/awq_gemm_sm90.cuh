@@ -33,7 +33,7 @@
 
 #include "awq_gemm/awq_gemm_sm90.h"
 #include "common/cutlass_run.h"
-#include "common/sm_count.h"
+#include "common/device_attribute.h"
 
 namespace quantfuse::awq_sm90 {
 

@@ -20,7 +20,7 @@
 #include "awq_gemm/awq_gemm_sm90.h"
 #include "awq_gemm/awq_gemm_torch.h"
 #include "common/check.h"
-#include "common/sm_count.h"
+#include "common/device_attribute.h"
 
 namespace {
 

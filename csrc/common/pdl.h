@@ -6,22 +6,32 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include "common/device_attribute.h"
 
 namespace quantfuse {
 
-// Whether the GPU has PDL: sm_90 or later.
-inline bool pdl_supported(int device) {
-  int major = 0;
-  return cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 9;
+// Whether QUANTFUSE_PDL allows PDL: unset, empty or "1" yes, "0" no (surrounding spaces ignored);
+// another value throws std::invalid_argument naming the variable, as compile_backend/kernels/pdl.py's
+// check raises ValueError, so that eager calls and compiled ones read it alike.
+inline bool pdl_allowed_by_env() {
+  const char* v = std::getenv("QUANTFUSE_PDL");
+  if (v == nullptr) return true;
+  std::string s(v);
+  const size_t b = s.find_first_not_of(" \t\n\r");
+  s = b == std::string::npos ? std::string() : s.substr(b, s.find_last_not_of(" \t\n\r") - b + 1);
+  if (s.empty() || s == "1") return true;
+  if (s == "0") return false;
+  throw std::invalid_argument("QUANTFUSE_PDL='" + std::string(v) +
+                              "'; expected '0' (off) or '1' (on where the GPU has it, the default)");
 }
 
-// Whether kernels launch with PDL on `device` by default: where it has it, unless QUANTFUSE_PDL=0.
-// The variable is read at every launch (a getenv, well under a microsecond of the host's launch cost;
-// a captured CUDA graph keeps what its capture chose), so that one process may compare both.
-inline bool pdl_default(int device) {
-  const char* v = std::getenv("QUANTFUSE_PDL");
-  return (v == nullptr || std::strcmp(v, "0") != 0) && pdl_supported(device);
-}
+// Whether kernels launch with PDL on `device` by default: where it has it (device_attribute.h), unless
+// QUANTFUSE_PDL=0.  The variable is read at every launch (a getenv, well under a microsecond of the host's
+// launch cost; a captured CUDA graph keeps what its capture chose), so that one process may compare both.
+inline bool pdl_default(int device) { return pdl_allowed_by_env() && pdl_supported(device); }
 
 // What a decode kernel launched with PDL does before griddepcontrol.wait, from QUANTFUSE_PDL_PREFETCH
 // (read at every launch, as QUANTFUSE_PDL, so that one process may measure each).  kPdlEarlyNone (unset

@@ -19,7 +19,7 @@
 #include "cutlass/gemm/threadblock/threadblock_swizzle.h"
 #include "cutlass/epilogue/threadblock/fusion/visitors.hpp"
 
-#include "common/sm_count.h"
+#include "common/device_attribute.h"
 #include "scaled_mm/epilogue_sm80.cuh"
 #include "scaled_mm/scaled_mm_launch.h"
 

@@ -22,7 +22,7 @@
 #include "cutlass/util/packed_stride.hpp"
 
 #include "common/cutlass_run.h"
-#include "common/sm_count.h"
+#include "common/device_attribute.h"
 #include "scaled_mm/epilogue_sm90.cuh"
 #include "scaled_mm/scaled_mm_launch.h"
 

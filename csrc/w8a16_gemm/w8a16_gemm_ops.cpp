@@ -12,7 +12,7 @@
 #include "common/check.h"
 #include "common/pdl.h"
 #include "common/launch_dtype.h"
-#include "common/sm_count.h"
+#include "common/device_attribute.h"
 #include "w8a16_gemm/w8a16_gemm.h"
 #include "w8a16_gemm/w8a16_gemm_torch.h"
 
