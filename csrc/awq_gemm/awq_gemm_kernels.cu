@@ -24,9 +24,9 @@
 #include "awq_gemm/awq_gemm.h"
 #include "awq_gemm/awq_gemm_strip.cuh"
 #include "common/cluster_launch.h"
+#include "common/device_attribute.h"
 #include "common/pdl.cuh"
 #include "common/pdl.h"
-#include "common/device_attribute.h"
 
 namespace quantfuse {
 namespace awq {
