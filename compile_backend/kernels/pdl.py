@@ -4,8 +4,9 @@ A kernel launched with programmatic stream serialization may start while the ker
 the stream finishes; it waits (``griddepcontrol.wait``) before it reads what that one wrote.  The
 decode kernels in ``csrc/`` (``common/pdl.h`` decides there, from the same variable) and, under CUDA
 graphs, Inductor's own Triton kernels (the backend's ``pdl`` option) launch with it where the GPU has
-it; the decode attention's Triton kernels launch without it.  ``QUANTFUSE_PDL=0`` turns all of it off; it is
-read at each launch and compile, so that one process may compare both.  ``QUANTFUSE_PDL_PREFETCH``
+it; the decode attention's Triton kernels launch without it (with it, the decode step measured 2-3%
+slower: benchmarks/RESULTS.md, "Programmatic dependent launch").  ``QUANTFUSE_PDL=0`` turns all of it
+off; it is read at each launch and compile, so that one process may compare both.  ``QUANTFUSE_PDL_PREFETCH``
 (``csrc/common/pdl.h``) is a measurement knob for what the decode kernels do before they wait: nothing
 (unset or ``0``, the default), ``regs`` (the AWQ kernel loads its first weights into registers) or
 ``l2`` (the kernels ask their weights into L2).  Neither measured faster, and ``regs`` reads weights
