@@ -4,7 +4,8 @@ The split heuristics (``warps_for`` / ``splits_for`` in csrc/awq_gemm/awq_gemm_k
 measured on an H100; this says, on the GPU at hand, how far each shape's chosen split is from the best
 one.  fp16, group 128, the fragment layout.  Median µs per call over CUDA-graph replays rotating among
 weight copies > 2x L2 (benchmarks/timing.py); DRAM fraction = (weight + scales + zeros + activation +
-output bytes) / copy bandwidth / time.
+output bytes) / copy bandwidth / time.  "in L2": the chosen split on one weight copy call after call (a
+weight that fits the L2 stays there), which says how much of a call's time is waiting on DRAM.
 
     python benchmarks/dev/bench_awq_decode.py [--ms 1,8] [--out DIR]
 """
@@ -67,6 +68,7 @@ def main() -> int:
             ref = qf._awq_gemm_cuda(*sets[0][:4], G, None)
             r = {"N": N, "K": K, "M": M, "chosen_splits": qf._awq_gemm_splits(M, N, K, False, device)}
             r["chosen"] = rotating([lambda s=s: qf._awq_gemm_cuda(*s, G, None) for s in sets])
+            r["chosen_in_l2"] = rotating([lambda s=sets[0]: qf._awq_gemm_cuda(*s, G, None)])
             variants = {}
             for warps, splits, cluster in itertools.product(WARPS, SPLITS, (True, False)):
                 if (warps == 16 and M > 8) or (splits == 1 and not cluster):
@@ -83,7 +85,8 @@ def main() -> int:
                      dram_frac_chosen=floor_us / r["chosen"], dram_frac_best=floor_us / variants[best])
             rows.append(r)
             print(f"N={N:5d} K={K:5d} M={M:2d}: chosen {r['chosen']:6.1f} µs ({100 * r['dram_frac_chosen']:3.0f}% "
-                  f"DRAM, {r['chosen_splits']} split(s))  best {best} {variants[best]:6.1f} µs "
+                  f"DRAM, {r['chosen_splits']} split(s); in L2 {r['chosen_in_l2']:6.1f})  "
+                  f"best {best} {variants[best]:6.1f} µs "
                   f"({100 * r['dram_frac_best']:3.0f}%)  floor {floor_us:5.1f}", flush=True)
         wsets = sets = None  # free this shape's weights before the next
     out = Path(args.out)
